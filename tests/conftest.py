@@ -2,7 +2,11 @@
 import os
 import warnings
 
-import jax
+# Several host CPU devices for the DCP (shard_map) tests; must be set before jax initialises.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
+import jax  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
