@@ -1,0 +1,53 @@
+"""CUDA (Triton) lowering of Pallas kernels on a machine without a GPU.
+
+`lower_for_cuda` traces a function and lowers it for the "cuda" platform under an abstract
+mesh whose device is an H200. This runs the Pallas -> Triton-IR lowering on the CPU, so the
+GPU-only errors (non power-of-two block shapes, dots with M/N/K < 16, unsupported
+primitives, scalar prefetch, ...) surface in CPU tests. It does not run Triton's own
+compiler (register/shared-memory limits are only seen on a real GPU).
+
+Arguments may be concrete arrays or `jax.ShapeDtypeStruct`s; nothing is allocated.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import jax
+from jax.sharding import AbstractDevice, AbstractMesh
+
+TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+H200 = ("NVIDIA H200", 132)
+
+
+def lower_for_cuda(fn: Callable[..., Any], *args: Any, device_kind: str = H200[0],
+                   num_cores: int = H200[1], **kwargs: Any) -> str:
+    """Lowers `fn(*args, **kwargs)` for CUDA on an abstract `device_kind` device.
+
+    `kwargs` are bound as static (closed-over) arguments. Returns the StableHLO text;
+    raises whatever the Pallas Triton lowering raises.
+    """
+    mesh = AbstractMesh((1,), ("x",),
+                        abstract_device=AbstractDevice(device_kind, num_cores, "cuda"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower(
+            lowering_platforms=("cuda",))
+    return lowered.as_text()
+
+
+def triton_calls(hlo_text: str) -> list[dict[str, int | str]]:
+    """The Triton custom calls of lowered text: kernel name, grid, num_warps, num_stages."""
+    calls = []
+    for line in hlo_text.splitlines():
+        if TRITON_CUSTOM_CALL not in line:
+            continue
+        info: dict[str, int | str] = {}
+        for key in ("grid_x", "grid_y", "grid_z", "num_warps", "num_stages"):
+            m = re.search(rf"\b{key} = (\d+) : i32", line)
+            if m:
+                info[key] = int(m.group(1))
+        m = re.search(r'\bname = "([^"]*)"', line)
+        if m:
+            info["name"] = m.group(1)
+        calls.append(info)
+    return calls
