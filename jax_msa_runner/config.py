@@ -110,9 +110,20 @@ class RunnerConfig:
         _require(self.dcp_interleave == DCP_INTERLEAVE, "dcp_interleave",
                  f"MSA needs dcp_interleave == {DCP_INTERLEAVE} (one block per unit), "
                  f"got {self.dcp_interleave}")
+        _require(self.dcp_world_size == 1
+                 or self.max_model_len > self.dcp_world_size * self.dcp_interleave,
+                 "max_model_len",
+                 f"must exceed the DCP dummy context dcp_world_size * dcp_interleave = "
+                 f"{self.dcp_world_size * self.dcp_interleave} (context plus one query token), "
+                 f"got {self.max_model_len}")
         _require(1 + self.num_spec_tokens <= self.max_num_batched_tokens, "num_spec_tokens",
                  f"decode length 1 + {self.num_spec_tokens} exceeds max_num_batched_tokens="
                  f"{self.max_num_batched_tokens}")
+
+    @property
+    def dcp_dummy_context_len(self) -> int:
+        """Fake context of a DCP dummy batch: W * I tokens (0 without DCP)."""
+        return self.dcp_world_size * self.dcp_interleave if self.dcp_world_size > 1 else 0
 
     @property
     def uniform_decode_len(self) -> int:
@@ -120,5 +131,10 @@ class RunnerConfig:
 
     @property
     def max_pages(self) -> int:
-        """Block-table width: pages of the longest sequence (plus the DCP dummy context)."""
+        """Block-table width: pages of the longest sequence.
+
+        Every staged sequence (the DCP dummy context included) has seq_len <= max_model_len,
+        and under DCP a row needs only ceil(seq_len / (128 * W)) rank-local pages, so this
+        width covers every row of every batch.
+        """
         return math.ceil(self.max_model_len / self.page_size)
