@@ -1,0 +1,305 @@
+"""MSA sparse decode: attention of each token over its 16 selected KV pages (spec section 4).
+
+Kernel (Pallas, Triton backend): grid ``(T, Hkv, num_splits)``. A program owns the GQA group of
+one token and one KV head (the group's query heads, padded to >= 16, are the dot rows) and a
+contiguous range of ``16 // num_splits`` selection slots. Per slot it reads the block id, applies
+the safety boundary, reads the page id from the block table, loads the page's K and V halves
+(``[128, D]`` each) and updates an online softmax (base 2, finite mask value). Splits are merged
+by log-sum-exp in jnp. Slots at or beyond ``n_use`` are skipped (dynamic loop bound).
+
+Safety boundary (in the kernel and in the reference): for a consumed slot, a block id that is
+``< 0`` or ``>= ceil(kv_len / 128)`` is replaced by block 0 before the block-table read and every
+key loaded for it is masked, so the online-softmax state is unchanged by it. The request row
+is clamped to ``[0, R)`` and the page id read from the block table to ``[0, N)`` before they
+form an address. Keys ``blk * 128 + i`` are valid iff ``< kv_len``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+PAGE = 128  # tokens per KV page == MSA sparse block
+TOPK = 16  # selection slots per (token, KV head)
+NUM_SMS = 132  # H200 streaming multiprocessors: the default split count fills them
+MIN_DOT = 16  # Triton dots need M, N, K >= 16
+MAX_GROUP_ROWS = 128  # padded GQA group rows of one program (register budget)
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+MASK = -1e30  # finite mask value for scores (base-2 units)
+_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def padded_group(num_q_heads: int, num_kv_heads: int) -> int:
+    """Rows of one program's dot: the GQA group padded to a power of two >= 16."""
+    return max(MIN_DOT, _next_pow2(num_q_heads // num_kv_heads))
+
+
+def default_num_splits(num_programs: int) -> int:
+    """Split-K factor (power of two <= 16) so that ``num_programs * splits`` fills the SMs."""
+    splits = 1
+    while splits < TOPK and num_programs * splits < NUM_SMS:
+        splits *= 2
+    return splits
+
+
+def validate_inputs(q, kv_cache, selected, block_table, req_indices, kv_lens, *, name: str):
+    """Raise ``ValueError``/``TypeError`` naming the argument and bound; returns the geometry.
+
+    Returns ``(T, Hq, D, N, Hkv, R, P)``.
+    """
+    def need(cond, msg, exc=ValueError):
+        if not cond:
+            raise exc(f"{name}: {msg}")
+
+    need(q.ndim == 3, f"q must be [T, Hq, D], got shape {q.shape}")
+    t, hq, d = q.shape
+    need(kv_cache.ndim == 4, f"kv_cache must be [N, Hkv, {PAGE}, 2*D], got shape {kv_cache.shape}")
+    n, hkv, page, two_d = kv_cache.shape
+    need(page == PAGE, f"kv_cache page size (axis 2) must be {PAGE}, got {page}")
+    need(d >= MIN_DOT and d & (d - 1) == 0,
+         f"head dim D = q.shape[2] must be a power of two >= {MIN_DOT}, got {d}")
+    need(two_d == 2 * d, f"kv_cache last axis must be 2*D = {2 * d} (K then V), got {two_d}")
+    need(n >= 1, f"kv_cache needs at least 1 page, got {n}")
+    need(hkv >= 1 and hq % hkv == 0,
+         f"q heads Hq = {hq} must be a multiple of kv_cache heads Hkv = {hkv}")
+    need(padded_group(hq, hkv) <= MAX_GROUP_ROWS,
+         f"GQA group Hq/Hkv = {hq // hkv} exceeds {MAX_GROUP_ROWS} rows per program")
+    need(jnp.dtype(q.dtype) in _FLOATS, f"q dtype must be bf16, f16 or f32, got {q.dtype}", TypeError)
+    need(kv_cache.dtype == q.dtype,
+         f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}", TypeError)
+    need(selected.shape == (t, hkv, TOPK),
+         f"selected must be [T, Hkv, {TOPK}] = {(t, hkv, TOPK)}, got {selected.shape}")
+    need(block_table.ndim == 2 and block_table.shape[0] >= 1 and block_table.shape[1] >= 1,
+         f"block_table must be [R, P] with R, P >= 1, got shape {block_table.shape}")
+    need(req_indices.shape == (t,), f"req_indices must be [T] = {(t,)}, got {req_indices.shape}")
+    need(kv_lens.shape == (t,), f"kv_lens must be [T] = {(t,)}, got {kv_lens.shape}")
+    for arg, val in (("selected", selected), ("block_table", block_table),
+                     ("req_indices", req_indices), ("kv_lens", kv_lens)):
+        need(val.dtype == jnp.int32, f"{arg} dtype must be int32, got {val.dtype}", TypeError)
+    r, p = block_table.shape
+    return t, hq, d, n, hkv, r, p
+
+
+def _check_tunable(name: str, fn: str, value: int, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{fn}: {name} must be one of {tuple(allowed)}, got {value}")
+
+
+# --------------------------------------------------------------------------------------------
+# Pure jax.numpy reference
+# --------------------------------------------------------------------------------------------
+
+def sanitize_selection(selected, kv_lens):
+    """The safety boundary. ``selected [T,Hkv,16]``, ``kv_lens [T]`` int32 ->
+    ``(blk [T,Hkv,16] int32 in [0, n_blocks) or 0, ok [T,Hkv,16] bool)``: ``ok`` is true for a
+    consumed slot (``slot < n_use``) holding a block id in ``[0, ceil(kv_len/128))``."""
+    kv = jnp.maximum(kv_lens, 0)
+    n_blocks = (kv + PAGE - 1) // PAGE
+    n_use = jnp.minimum(n_blocks, TOPK)
+    slot = jnp.arange(TOPK, dtype=jnp.int32)
+    ok = ((slot[None, None, :] < n_use[:, None, None]) & (selected >= 0)
+          & (selected < n_blocks[:, None, None]))
+    return jnp.where(ok, selected, 0), ok
+
+
+def sparse_decode_reference(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale):
+    """Gather + einsum reference of :func:`sparse_decode` (same arguments, same boundary).
+
+    Returns ``(out [T,Hq,D] q.dtype, lse [T,Hq] f32)``; f32 math throughout.
+    """
+    t, hq, d, n, hkv, r, _ = validate_inputs(q, kv_cache, selected, block_table, req_indices,
+                                             kv_lens, name="sparse_decode_reference")
+    g = hq // hkv
+    blk, ok = sanitize_selection(selected, kv_lens)                     # [T,Hkv,16]
+    row = jnp.clip(req_indices, 0, r - 1)
+    page = jnp.clip(block_table[row[:, None, None], blk], 0, n - 1)     # [T,Hkv,16]
+    pages = kv_cache[page, jnp.arange(hkv)[None, :, None]]              # [T,Hkv,16,128,2D]
+    k = pages[..., :d].astype(jnp.float32)
+    v = pages[..., d:].astype(jnp.float32)
+    pos = blk[..., None] * PAGE + jnp.arange(PAGE, dtype=jnp.int32)     # [T,Hkv,16,128]
+    valid = ok[..., None] & (pos < kv_lens[:, None, None, None])
+    qg = q.reshape(t, hkv, g, d).astype(jnp.float32)
+    s = jnp.einsum("thgd,thskd->thgsk", qg, k, precision="highest") * scale
+    s = jnp.where(valid[:, :, None], s, -jnp.inf)
+    m = jnp.max(s, axis=(-2, -1), keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(valid[:, :, None], jnp.exp(s - m_safe), 0.0)
+    l = jnp.sum(p, axis=(-2, -1))                                        # [T,Hkv,G]
+    o = jnp.einsum("thgsk,thskd->thgd", p, jnp.where(valid[..., None], v, 0.0),
+                   precision="highest")
+    out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(l > 0, m_safe[..., 0, 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return out.reshape(t, hq, d).astype(q.dtype), lse.reshape(t, hq)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared kernel pieces
+# --------------------------------------------------------------------------------------------
+
+def online_softmax_step(carry, q, k, v, key_ok, scale_log2, row_weight=None):
+    """One page of the online softmax (base 2, finite mask, masked V).
+
+    carry ``(acc [M,D] f32, m [M] f32, l [M] f32)``; ``q [M,D]``, ``k, v [128,D]`` (input dtype);
+    ``key_ok [M,128]`` bool; ``row_weight [M] f32`` (optional) multiplies the row's
+    probabilities (a page selected twice counts twice).
+    """
+    acc, m, l = carry
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale_log2
+    s = jnp.where(key_ok, s, MASK)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    if row_weight is not None:
+        p = p * row_weight[:, None]
+    p = jnp.where(key_ok, p, 0.0)
+    l_new = alpha * l + jnp.sum(p, axis=1)
+    v_ok = jnp.max(key_ok.astype(jnp.int32), axis=0) > 0                 # [128]
+    v = jnp.where(v_ok[:, None], v, jnp.zeros_like(v))
+    acc_new = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v,
+                                             preferred_element_type=jnp.float32)
+    return acc_new, m_new, l_new
+
+
+def finalize(acc, m, l):
+    """Normalised output and natural-log LSE of a finished softmax state; empty rows -> (0, -inf)."""
+    nonempty = l > 0
+    l_safe = jnp.where(nonempty, l, 1.0)
+    out = jnp.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
+    lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    return out, lse
+
+
+def merge_splits(o, lse):
+    """LSE merge over axis 0: ``o [S,...,D] f32`` normalised partials, ``lse [S,...] f32``."""
+    m = jnp.max(lse, axis=0)
+    m = jax.lax.optimization_barrier(m)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m_safe[None])                                      # exp(-inf) = 0
+    wsum = jnp.sum(w, axis=0)
+    nonempty = wsum > 0
+    wsum_safe = jnp.where(nonempty, wsum, 1.0)
+    out = jnp.sum(w[..., None] * o, axis=0) / wsum_safe[..., None]
+    out = jnp.where(nonempty[..., None], out, 0.0)
+    lse_out = jnp.where(nonempty, m_safe + jnp.log(wsum_safe), -jnp.inf)
+    return out, lse_out
+
+
+# --------------------------------------------------------------------------------------------
+# Pallas kernel
+# --------------------------------------------------------------------------------------------
+
+def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_ref, *,
+                   slots_per_split, head_dim, num_pages, num_rows, scale_log2):
+    """One (token, kv head, split): ``q_ref [M,D]``, ``sel_ref [16]``, whole ``kv_ref``,
+    ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D]``, ``lse_ref [M]``."""
+    t = pl.program_id(0)
+    h = pl.program_id(1)
+    split = pl.program_id(2)
+    kv_len = jnp.maximum(len_ref[t], 0)
+    row = jnp.clip(req_ref[t], 0, num_rows - 1)
+    n_blocks = (kv_len + PAGE - 1) // PAGE
+    n_use = jnp.minimum(n_blocks, TOPK)
+    first = split * slots_per_split
+    n_iter = jnp.clip(n_use - first, 0, slots_per_split)
+    q = q_ref[...]
+    rows = q.shape[0]
+    keys = jnp.arange(PAGE, dtype=jnp.int32)
+
+    def body(i, carry):
+        raw = sel_ref[first + i]
+        ok = (raw >= 0) & (raw < n_blocks)
+        blk = jnp.where(ok, raw, 0)                       # boundary: before the table read
+        page = jnp.clip(bt_ref[row, blk], 0, num_pages - 1)
+        k = kv_ref[page, h, :, pl.ds(0, head_dim)]
+        v = kv_ref[page, h, :, pl.ds(head_dim, head_dim)]
+        key_ok = ok & (blk * PAGE + keys < kv_len)        # [128]
+        key_ok = jnp.broadcast_to(key_ok[None, :], (rows, PAGE))
+        return online_softmax_step(carry, q, k, v, key_ok, scale_log2)
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), MASK, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(0, n_iter, body, init)
+    out, lse = finalize(acc, m, l)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_warps",
+                                             "num_stages"))
+def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
+                  interpret=False, num_splits=None, num_warps=4, num_stages=2):
+    """MSA sparse decode (spec section 4) with the kernel safety boundary.
+
+    Args:
+      q: ``[T, Hq, D]`` bf16/f16/f32, D a power of two >= 16.
+      kv_cache: ``[N, Hkv, 128, 2D]`` (K = ``[..., :D]``, V = ``[..., D:]``), q's dtype.
+      selected: ``[T, Hkv, 16]`` int32 block ids (-1 or out-of-range ids contribute nothing).
+      block_table: ``[R, P]`` int32 page ids; req_indices ``[T]`` int32 rows of it.
+      kv_lens: ``[T]`` int32 visible keys per token (0 = padded row).
+      scale: softmax scale (static). interpret: Pallas interpret mode (CPU).
+      num_splits: split-K factor in {1, 2, 4, 8, 16}; default fills 132 SMs from T * Hkv.
+      num_warps, num_stages: Triton launch tunables.
+    Returns:
+      ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``; lse is the natural-log LSE of the scaled
+      scores; rows without a visible key give zeros and -inf.
+    """
+    t, hq, d, n, hkv, r, _ = validate_inputs(q, kv_cache, selected, block_table, req_indices,
+                                             kv_lens, name="sparse_decode")
+    g = hq // hkv
+    m_rows = padded_group(hq, hkv)
+    splits = default_num_splits(t * hkv) if num_splits is None else num_splits
+    _check_tunable("num_splits", "sparse_decode", splits, (1, 2, 4, 8, 16))
+    _check_tunable("num_warps", "sparse_decode", num_warps, (1, 2, 4, 8, 16))
+    _check_tunable("num_stages", "sparse_decode", num_stages, (1, 2, 3, 4, 5, 6))
+    if t == 0:
+        return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
+
+    qg = q.reshape(t, hkv, g, d)
+    if m_rows != g:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
+    out_dtype = q.dtype if splits == 1 else jnp.float32
+    kernel = functools.partial(_decode_kernel, slots_per_split=TOPK // splits, head_dim=d,
+                               num_pages=n, num_rows=r, scale_log2=float(scale) * LOG2E)
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(t, hkv, splits),
+        in_specs=[
+            whole((t,)),                                                   # req_indices
+            whole((t,)),                                                   # kv_lens
+            whole(block_table.shape),                                      # block_table
+            pl.BlockSpec((None, None, TOPK), lambda i, h, s: (i, h, 0)),   # selected
+            pl.BlockSpec((None, None, m_rows, d), lambda i, h, s: (i, h, 0, 0)),  # q
+            whole(kv_cache.shape),                                         # kv_cache
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, m_rows, d), lambda i, h, s: (s, i, h, 0, 0)),
+            pl.BlockSpec((None, None, None, m_rows), lambda i, h, s: (s, i, h, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((splits, t, hkv, m_rows, d), out_dtype),
+                   jax.ShapeDtypeStruct((splits, t, hkv, m_rows), jnp.float32)],
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="msa_sparse_decode",
+    )(req_indices, kv_lens, block_table, selected, qg, kv_cache)
+    if splits == 1:
+        o, lse = o[0], lse[0]
+    else:
+        o, lse = merge_splits(o, lse)
+    out = o[:, :, :g].reshape(t, hq, d).astype(q.dtype)
+    return out, lse[:, :, :g].reshape(t, hq)
+
+
+__all__ = ["sparse_decode", "sparse_decode_reference", "sanitize_selection", "merge_splits",
+           "online_softmax_step", "finalize", "validate_inputs", "padded_group",
+           "default_num_splits", "PAGE", "TOPK"]
