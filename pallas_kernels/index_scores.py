@@ -1,0 +1,208 @@
+"""MSA indexer block scores (spec section 2): Pallas (Triton) kernel and jnp reference.
+
+S[t, h, b] = max_{i < 128, b*128 + i <= positions[t]} <index_q[t, h], index_k[page, i]>
+with page = block_table[req_indices[t], b], computed in fp32; -inf for blocks
+b >= nvp_t = positions[t] // 128 + 1 (those pages are never loaded) and for a block whose
+keys are all in the causal future.
+
+Shapes / dtypes:
+  index_q        [T, H, Di]   bf16 | f16 | f32 (H index heads, Di a power of two >= 16)
+  index_k_cache  [N, 128, Di] same dtype as index_q (one shared index-key head)
+  block_table    [R, P]       int32 physical page ids
+  req_indices    [T]          int32 request row of each token
+  positions      [T]          int32 absolute position of each token
+  result         [T, H, P]    f32
+
+Safety boundary: every page id is clamped to [0, N) and every request row to [0, R) before
+an address is formed, and only block-table columns b < min(nvp_t, P) are read, so a wrong
+id (a -1 sentinel, a stale or garbage entry) can never cause an out-of-bounds read. Such an
+id yields the scores of the clamped page, not an error: callers must keep the block-table
+entries a token may read in [0, N) (spec section 6 padding points them at page 0).
+
+Kernel layout: grid (T, ceil(P / pages_per_program)); program (t, c) owns pages
+[c * ppp, (c + 1) * ppp) of token t, loads the token's H query rows once and loops
+(software-pipelined fori_loop) over its valid pages, one contiguous [128, Di] page per
+iteration, scoring all H heads against it (shared index-key head: one read per page per
+token). The dot needs M >= 16 rows: the H query rows are replicated 16 / H times (no padding
+rows to mask) and the duplicate rows are folded back with a max at the end.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+PAGE_SIZE = 128
+_MIN_DOT = 16  # Triton dot: M, N, K >= 16
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_NUM_SMS_H200 = 132
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _is_pow2(x: int) -> bool:
+    return x >= 1 and (x & (x - 1)) == 0
+
+
+def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> None:
+    """Raises ValueError / TypeError naming the offending argument and the bound."""
+    if index_q.ndim != 3:
+        raise ValueError(f"index_q: expected rank 3 [T, H, Di], got shape {index_q.shape}")
+    t, h, di = index_q.shape
+    if index_k_cache.ndim != 3 or index_k_cache.shape[1] != PAGE_SIZE:
+        raise ValueError(f"index_k_cache: expected shape [N, {PAGE_SIZE}, Di], "
+                         f"got {index_k_cache.shape}")
+    n = index_k_cache.shape[0]
+    if n < 1:
+        raise ValueError(f"index_k_cache: needs at least 1 page (N >= 1), got N={n}")
+    if index_k_cache.shape[2] != di:
+        raise ValueError(f"index_k_cache: last dim must equal index_q's Di={di}, "
+                         f"got {index_k_cache.shape[2]}")
+    if not _is_pow2(di) or di < _MIN_DOT:
+        raise ValueError(f"index_q: Di must be a power of two >= {_MIN_DOT}, got {di}")
+    if h < 1:
+        raise ValueError(f"index_q: needs H >= 1 index heads, got {h}")
+    if jnp.dtype(index_q.dtype) not in _SUPPORTED_DTYPES:
+        raise TypeError(f"index_q: dtype must be one of bfloat16, float16, float32, "
+                        f"got {index_q.dtype}")
+    if jnp.dtype(index_k_cache.dtype) != jnp.dtype(index_q.dtype):
+        raise TypeError(f"index_k_cache: dtype must equal index_q's {index_q.dtype}, "
+                        f"got {index_k_cache.dtype}")
+    if block_table.ndim != 2 or block_table.shape[0] < 1 or block_table.shape[1] < 1:
+        raise ValueError(f"block_table: expected shape [R >= 1, P >= 1], got {block_table.shape}")
+    for name, arr in (("block_table", block_table), ("req_indices", req_indices),
+                      ("positions", positions)):
+        if jnp.dtype(arr.dtype) != jnp.dtype(jnp.int32):
+            raise TypeError(f"{name}: dtype must be int32, got {arr.dtype}")
+    for name, arr in (("req_indices", req_indices), ("positions", positions)):
+        if arr.shape != (t,):
+            raise ValueError(f"{name}: expected shape [T]=({t},), got {arr.shape}")
+
+
+def default_pages_per_program(num_tokens: int, max_pages: int) -> int:
+    """Pages per program: about 4-8 programs per H200 SM, 1 <= ppp <= 64 (a power of two)."""
+    target = max(1, (num_tokens * max_pages) // (4 * _NUM_SMS_H200))
+    ppp = 1 << (target.bit_length() - 1)
+    return max(1, min(ppp, 64, _next_pow2(max_pages)))
+
+
+def _index_scores_kernel(q_ref, k_ref, bt_ref, req_ref, pos_ref, out_ref, *,
+                         num_heads_pow2: int, rows: int, pages_per_program: int,
+                         num_pages_cache: int, num_reqs: int, max_pages: int):
+    """One program: token t = program_id(0), pages [c*ppp, (c+1)*ppp), c = program_id(1).
+
+    q_ref [Hs, Di] (block of token t), k_ref [N, 128, Di] (whole cache), bt_ref [R, P],
+    req_ref [T], pos_ref [T] (whole arrays), out_ref [Hs, ppp] (block).
+    """
+    t = pl.program_id(0)
+    c = pl.program_id(1)
+    hs, ppp = num_heads_pow2, pages_per_program
+    di = q_ref.shape[-1]
+
+    q = q_ref[...]  # [Hs, Di]
+    if rows != hs:  # replicate the heads to the dot's M rows: row r <-> head r % Hs
+        q = jnp.broadcast_to(q[None, :, :], (rows // hs, hs, di)).reshape(rows, di)
+    precision = (lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+
+    req = jnp.clip(req_ref[t], 0, num_reqs - 1)
+    pos = pos_ref[t]
+    nvp = jnp.clip(jnp.floor_divide(pos, PAGE_SIZE) + 1, 0, max_pages)
+    start = c * ppp
+    end = jnp.minimum(start + ppp, nvp)
+
+    key_off = lax.broadcasted_iota(jnp.int32, (PAGE_SIZE, 1), 0)
+    col = lax.broadcasted_iota(jnp.int32, (rows, ppp), 1)
+
+    def body(b, acc):
+        page = jnp.clip(bt_ref[req, b], 0, num_pages_cache - 1)
+        k = k_ref[page, :, :]  # [128, Di], one contiguous page
+        s = lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)  # [128, rows]
+        s = jnp.where(b * PAGE_SIZE + key_off <= pos, s, -jnp.inf)
+        m = jnp.max(s, axis=0)  # [rows]
+        return jnp.where(col == b - start, m[:, None], acc)
+
+    acc = jnp.full((rows, ppp), -jnp.inf, jnp.float32)
+    acc = lax.fori_loop(start, end, body, acc)
+    if rows != hs:
+        acc = jnp.max(acc.reshape(rows // hs, hs, ppp), axis=0)
+    out_ref[...] = acc
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "pages_per_program", "num_warps",
+                                             "num_stages"))
+def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: jax.Array,
+                     req_indices: jax.Array, positions: jax.Array, *, interpret: bool = False,
+                     pages_per_program: int | None = None, num_warps: int = 4,
+                     num_stages: int = 3) -> jax.Array:
+    """Block scores [T, H, P] f32 (see module docstring) with a Pallas Triton kernel.
+
+    Tunables (static): `pages_per_program` (power of two; default
+    `default_pages_per_program(T, P)`), `num_warps`, `num_stages` (software pipelining depth
+    of the page loop).
+    """
+    _validate(index_q, index_k_cache, block_table, req_indices, positions)
+    t, h, di = index_q.shape
+    n = index_k_cache.shape[0]
+    r, p = block_table.shape
+    ppp = default_pages_per_program(t, p) if pages_per_program is None else pages_per_program
+    if not _is_pow2(ppp):
+        raise ValueError(f"pages_per_program: must be a power of two >= 1, got {ppp}")
+    if num_warps < 1 or not _is_pow2(num_warps):
+        raise ValueError(f"num_warps: must be a power of two >= 1, got {num_warps}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages: must be >= 1, got {num_stages}")
+    hs = _next_pow2(h)
+    rows = max(_MIN_DOT, hs)
+    num_chunks = pl.cdiv(p, ppp)
+    if hs != h:
+        index_q = jnp.pad(index_q, ((0, 0), (0, hs - h), (0, 0)))
+
+    kernel = functools.partial(
+        _index_scores_kernel, num_heads_pow2=hs, rows=rows, pages_per_program=ppp,
+        num_pages_cache=n, num_reqs=r, max_pages=p)
+    out = pl.pallas_call(
+        kernel,
+        grid=(t, num_chunks),
+        in_specs=[
+            pl.BlockSpec((None, hs, di), lambda i, c: (i, 0, 0)),
+            pl.BlockSpec((n, PAGE_SIZE, di), lambda i, c: (0, 0, 0)),
+            pl.BlockSpec((r, p), lambda i, c: (0, 0)),
+            pl.BlockSpec((t,), lambda i, c: (0,)),
+            pl.BlockSpec((t,), lambda i, c: (0,)),
+        ],
+        out_specs=pl.BlockSpec((None, hs, ppp), lambda i, c: (i, 0, c)),
+        out_shape=jax.ShapeDtypeStruct((t, hs, num_chunks * ppp), jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="msa_index_scores",
+    )(index_q, index_k_cache, block_table, req_indices, positions)
+    if out.shape != (t, h, p):
+        out = out[:, :h, :p]
+    return out
+
+
+@jax.jit
+def msa_index_scores_reference(index_q: jax.Array, index_k_cache: jax.Array,
+                               block_table: jax.Array, req_indices: jax.Array,
+                               positions: jax.Array) -> jax.Array:
+    """Pure jnp reference of `msa_index_scores` (same clamping of page and request ids)."""
+    _validate(index_q, index_k_cache, block_table, req_indices, positions)
+    n = index_k_cache.shape[0]
+    r, p = block_table.shape
+    req = jnp.clip(req_indices, 0, r - 1)
+    pages = jnp.clip(block_table[req], 0, n - 1)  # [T, P]
+    k = index_k_cache[pages].astype(jnp.float32)  # [T, P, 128, Di]
+    s = jnp.einsum("thd,tpkd->thpk", index_q.astype(jnp.float32), k,
+                   precision=lax.Precision.HIGHEST)
+    key = jnp.arange(p)[:, None] * PAGE_SIZE + jnp.arange(PAGE_SIZE)[None, :]  # [P, 128]
+    visible = key[None, :, :] <= positions[:, None, None]  # [T, P, 128]
+    s = jnp.where(visible[:, None, :, :], s, -jnp.inf)
+    return jnp.max(s, axis=-1)
