@@ -1,0 +1,54 @@
+"""MSA attention for one batch: index scores -> top-16 page select -> sparse attention.
+
+`msa_attention` wires the three kernels to a batch's `BatchMetadata` (any object with the
+fields block_table, req_indices, positions, num_valid_pages and kv_lens): the selector
+reads `num_valid_pages` (derived from positions) and the attention reads `kv_lens`
+(derived from seq_lens); staging guarantees they agree (validate.py checks it) and the
+attention kernel's safety boundary makes a disagreement harmless anyway.
+
+`msa_attention_reference` is the same pipeline on the pure jax.numpy references.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_kernels.index_scores import msa_index_scores, msa_index_scores_reference
+from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
+from pallas_kernels.sparse_prefill import sparse_prefill
+from pallas_kernels.topk_select import sparse_topk_select, sparse_topk_select_reference
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "prefill", "interpret"))
+def msa_attention(q, index_q, kv_cache, index_k_cache, md, *, scale, prefill=False,
+                  interpret=False):
+    """MSA attention of a padded batch.
+
+    Args:
+      q: [T, Hq, D] queries; index_q: [T, Hkv, Di] index queries (one index head per group).
+      kv_cache: [N, Hkv, 128, 2D]; index_k_cache: [N, 128, Di] (same block table).
+      md: BatchMetadata (or any pytree with its field names) padded to T tokens.
+      scale: softmax scale (static). prefill: use the prefill kernel, which shares page
+        loads across consecutive tokens of a request (static). interpret: Pallas interpret.
+    Returns:
+      (out [T, Hq, D] q.dtype, lse [T, Hq] f32, selected [T, Hkv, 16] int32).
+    """
+    scores = msa_index_scores(index_q, index_k_cache, md.block_table, md.req_indices,
+                              md.positions, interpret=interpret)
+    selected = sparse_topk_select(scores, md.num_valid_pages, interpret=interpret)
+    attend = sparse_prefill if prefill else sparse_decode
+    out, lse = attend(q, kv_cache, selected, md.block_table, md.req_indices, md.kv_lens,
+                      scale=scale, interpret=interpret)
+    return out, lse, selected
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def msa_attention_reference(q, index_q, kv_cache, index_k_cache, md, *, scale):
+    """`msa_attention` on the jax.numpy references (same arguments and results)."""
+    scores = msa_index_scores_reference(index_q, index_k_cache, md.block_table,
+                                        md.req_indices, md.positions)
+    selected = sparse_topk_select_reference(scores, md.num_valid_pages)
+    out, lse = sparse_decode_reference(q, kv_cache, selected, md.block_table, md.req_indices,
+                                       md.kv_lens, scale=scale)
+    return out, lse, selected
