@@ -8,8 +8,7 @@ what=${1:-all}; shift || true
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
 if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_index_scores.py tests/test_topk_select.py \
-    tests/test_sparse_decode.py tests/test_sparse_prefill.py tests/test_msa_attention.py \
+  python3 -m pytest -q -p no:cacheprovider $(ls tests/test_{index_scores,topk_select,sparse_decode,sparse_prefill,msa_attention}.py 2>/dev/null) \
     2>&1 | tail -n 40 | tee "$out/gpu_tests.log"
 fi
 if [[ $what == all || $what == kernels ]]; then
