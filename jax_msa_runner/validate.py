@@ -62,7 +62,7 @@ def _checks(md: BatchMetadata, config: RunnerConfig, xp) -> list[Callable[[], _C
     exp_pos = xp.where(real, comp[req] + md.query_pos, 0)
     need = (seq + page * W - 1) // (page * W)
     covered = xp.arange(P)[None, :] < need[:, None]
-    bad_cover = xp.where(real_rows[:, None] & covered, bt < 1, bt != 0) | (bt < 0)
+    bad_cover = xp.where(real_rows[:, None], covered & (bt < 1), bt != 0) | (bt < 0)
     first_bad_page = xp.argmax(bad_cover, axis=1)
     local = (md.positions // (I * W)) * I + md.positions % I
     lpage = local // page
@@ -89,8 +89,8 @@ def _checks(md: BatchMetadata, config: RunnerConfig, xp) -> list[Callable[[], _C
                        "padded row {i}: num_computed_tokens = {c}, seq_lens = {s}, must be 0",
                        dict(c=comp, s=seq)),
         lambda: _Check(~bad_cover.any(axis=1),
-                       "block_table[{i}, {j}] = {b}: real rows need non-null pages (>= 1) on "
-                       "their {n} covered pages, every other entry (and padded rows) must be "
+                       "block_table[{i}, {j}] = {b}: a real row needs non-null pages (>= 1) "
+                       "on its {n} covered pages and no negative id; padded rows must be all "
                        "the null page 0", dict(j=first_bad_page, b=bt[rows, first_bad_page],
                                                n=xp.where(real_rows, need, 0))),
         lambda: _Check(xp.where(rows == 0, qsl[0] == 0, True) & (qsl[1:] - qsl[:-1] == sched),
