@@ -1,0 +1,51 @@
+"""Config validation: invalid combinations fail at construction, naming the field."""
+import pytest
+
+from jax_msa_runner.config import ConfigError, MSAConfig, RunnerConfig
+
+
+def test_defaults_are_valid_and_hashable():
+    cfg = RunnerConfig()
+    assert hash(cfg) == hash(RunnerConfig())
+    assert cfg.max_pages == 64 and cfg.uniform_decode_len == 1 and cfg.dcp_dummy_context_len == 0
+    assert RunnerConfig(bucket_sizes=(8, 2, 8)).bucket_sizes == (2, 8)
+    assert RunnerConfig(dcp_world_size=4).dcp_dummy_context_len == 512
+    m3 = MSAConfig.minimax_m3()
+    assert (m3.num_heads, m3.num_kv_heads, m3.group_size, m3.page_size, m3.topk) == (64, 4, 16, 128, 16)
+    assert MSAConfig.minimax_m3_tp4().group_size == 16
+    assert MSAConfig.tiny().index_dim == 32
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(page_size=64), r"^page_size: MSA needs page_size == 128"),
+    (dict(dcp_interleave=64), r"^dcp_interleave: MSA needs dcp_interleave == 128"),
+    (dict(bucket_sizes=(8, 128)), r"^bucket_sizes: bucket 128 is larger than max_num_batched_tokens=64"),
+    (dict(bucket_sizes=()), r"^bucket_sizes: must not be empty"),
+    (dict(bucket_sizes=(0, 8)), r"^bucket_sizes: every bucket must be >= 1, got 0"),
+    (dict(max_num_seqs=0), r"^max_num_seqs: must be >= 1, got 0"),
+    (dict(max_num_batched_tokens=0, bucket_sizes=(1,)), r"^max_num_batched_tokens: must be >= 1"),
+    (dict(max_model_len=0), r"^max_model_len: must be >= 1, got 0"),
+    (dict(num_spec_tokens=-1), r"^num_spec_tokens: must be >= 0, got -1"),
+    (dict(num_spec_tokens=64), r"^num_spec_tokens: decode length 1 \+ 64 exceeds"),
+    (dict(dcp_world_size=0), r"^dcp_world_size: must be >= 1, got 0"),
+    (dict(dcp_world_size=4, max_model_len=512),
+     r"^max_model_len: must exceed the DCP dummy context .* = 512"),
+])
+def test_runner_config_errors_name_the_field(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        RunnerConfig(**kwargs)
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(page_size=256), r"^page_size: MSA needs page_size == 128"),
+    (dict(topk=8), r"^topk: must be 16, got 8"),
+    (dict(num_heads=0), r"^num_heads: must be >= 1"),
+    (dict(num_heads=10, num_kv_heads=4, num_index_heads=4), r"^num_heads: must be a multiple"),
+    (dict(num_index_heads=2), r"^num_index_heads: must equal num_kv_heads=1"),
+    (dict(local_blocks=2), r"^local_blocks: must be 1"),
+    (dict(init_blocks=16), r"^init_blocks: must be in \[0, 16\)"),
+])
+def test_msa_config_errors_name_the_field(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        MSAConfig(**kwargs)
