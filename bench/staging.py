@@ -1,0 +1,83 @@
+"""Microseconds per staged step for each bucket (jitted staging, block_until_ready, median).
+
+Usage (repo root): python -m bench.staging [--repeats N] [--json PATH]
+(or python bench/staging.py once the package is installed, e.g. by make install)
+Per bucket of the default RunnerConfig (or --max-model-len / --dcp-world-size variants) it
+times, on the dummy batch of the bucket's size with a long profiling override:
+  host-us:   pack_host_batch (host validation + packing into one int32 buffer)
+  device-us: device_put + jitted stage_packed, block_until_ready
+  step-us:   stage_batch end to end (the number that matters per serving step)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+
+from jax_msa_runner.buckets import make_buckets
+from jax_msa_runner.config import RunnerConfig
+from jax_msa_runner.staging import (_dummy_host_arrays, pack_host_batch, stage_batch,
+                                    stage_packed_jit)
+
+
+def _median_us(fn, repeats: int) -> float:
+    fn()  # warm: compile once, outside the timing
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def bench(config: RunnerConfig, repeats: int) -> list[dict]:
+    """One result row per bucket: shapes, real tokens/requests and the three medians (us)."""
+    rows = []
+    for bucket in make_buckets(config):
+        h = _dummy_host_arrays(bucket.num_tokens, config, kind="mixed",
+                               profile_seq_len=config.max_model_len // 2)
+        args = (h.num_scheduled, h.num_computed, h.block_table)
+        packed = pack_host_batch(*args, bucket, config)
+        host_us = _median_us(lambda: pack_host_batch(*args, bucket, config), repeats)
+        device_us = _median_us(lambda: jax.block_until_ready(
+            stage_packed_jit(jax.device_put(packed), bucket=bucket, config=config)), repeats)
+        step_us = _median_us(lambda: jax.block_until_ready(
+            stage_batch(*args, config, bucket=bucket)), repeats)
+        rows.append(dict(num_tokens=bucket.num_tokens, num_reqs=bucket.num_reqs,
+                         max_pages=bucket.max_pages, real_tokens=int(h.num_scheduled.sum()),
+                         real_reqs=int(h.num_scheduled.size), host_us=host_us,
+                         device_us=device_us, step_us=step_us))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--max-model-len", type=int, default=RunnerConfig.max_model_len)
+    parser.add_argument("--dcp-world-size", type=int, default=1)
+    parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON")
+    args = parser.parse_args(argv)
+    config = RunnerConfig(max_model_len=args.max_model_len, dcp_world_size=args.dcp_world_size)
+    rows = bench(config, args.repeats)
+    print(f"jax {jax.__version__} on {jax.default_backend()} "
+          f"({jax.devices()[0].device_kind}); median of {args.repeats}")
+    print(f"{'T':>5} {'R':>4} {'P':>5} {'tokens':>6} {'reqs':>4} {'host-us':>8} "
+          f"{'device-us':>9} {'step-us':>8}")
+    for r in rows:
+        print(f"{r['num_tokens']:>5} {r['num_reqs']:>4} {r['max_pages']:>5} {r['real_tokens']:>6} "
+              f"{r['real_reqs']:>4} {r['host_us']:8.1f} {r['device_us']:9.1f} {r['step_us']:8.1f}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+                           jax_version=jax.__version__, repeats=args.repeats,
+                           config=repr(config), buckets=rows), f, indent=2)
+        print(f"wrote {args.json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
