@@ -103,33 +103,38 @@ def our_decode(x: dict, selected: jax.Array) -> tuple[jax.Array, jax.Array]:
 _FLUSH_ELEMS = 64 * 1024 * 1024  # 256 MiB of f32: larger than the 50 MiB L2
 
 
-@jax.jit
 def _flush(buf):
     return buf + 1.0
 
 
-def time_jax(fn, args, *, reps: int, trials: int) -> float:
-    """Median seconds per call of jitted fn(*args) with a cold L2 (flush-difference)."""
-    buf = jnp.zeros((_FLUSH_ELEMS,), jnp.float32)
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(_flush(buf))
+def time_jax(fn, args, *, reps: int, trials: int) -> list[float]:
+    """Seconds per call of fn(*args) with a cold L2, one sample per trial.
 
-    def run(with_fn: bool) -> float:
-        b = buf
-        out = None
-        jax.block_until_ready(b)
+    Two executables: (flush; barrier; fn) and flush alone, each dispatched `reps` times
+    back to back (async, so host dispatch hides behind the 256 MiB flush); the sample is
+    the wall-time difference per call. The optimization barrier makes fn wait for the
+    flush inside one executable, so the two never overlap.
+    """
+    def flushed_call(buf, a):
+        buf = _flush(buf)
+        buf, a = jax.lax.optimization_barrier((buf, a))
+        return buf, fn(*a)
+
+    with_fn = jax.jit(flushed_call, donate_argnums=0)
+    flush_only = jax.jit(lambda buf, a: (_flush(buf), None), donate_argnums=0)
+    buf = jnp.zeros((_FLUSH_ELEMS,), jnp.float32)
+
+    def run(step) -> float:
+        nonlocal buf
+        buf, out = step(buf, args)  # warm-up / compile
+        jax.block_until_ready((buf, out))
         t0 = time.perf_counter()
         for _ in range(reps):
-            b = _flush(b)
-            if with_fn:
-                out = fn(*args)
-        jax.block_until_ready((b, out))
+            buf, out = step(buf, args)
+        jax.block_until_ready((buf, out))
         return time.perf_counter() - t0
 
-    samples = []
-    for _ in range(trials):
-        samples.append((run(True) - run(False)) / reps)
-    return max(statistics.median(samples), 1e-9)
+    return [max((run(with_fn) - run(flush_only)) / reps, 1e-9) for _ in range(trials)]
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
@@ -194,8 +199,8 @@ def vllm_case(ops, shape: Shape, x: dict, selected: jax.Array, *, trials: int) -
 
     decode()
     torch.cuda.synchronize()
-    ti = statistics.median(triton.testing.do_bench(indexer) for _ in range(trials)) * 1e-3
-    td = statistics.median(triton.testing.do_bench(decode) for _ in range(trials)) * 1e-3
+    ti = [triton.testing.do_bench(indexer) * 1e-3 for _ in range(trials)]
+    td = [triton.testing.do_bench(decode) * 1e-3 for _ in range(trials)]
     return {"vllm_indexer_s": ti, "vllm_decode_s": td,
             "vllm_selected": np.asarray(vllm_sel.transpose(0, 1).cpu()),  # [B, Hkv, 16]
             "vllm_out": out.float().cpu().numpy()}
@@ -217,6 +222,7 @@ def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int) -> dict:
+    """Times both sides on the same inputs, interleaved over two rounds; medians of all samples."""
     x = make_inputs(shape, seed)
     indexer = jax.jit(our_indexer)
     decode = jax.jit(our_decode)
@@ -224,24 +230,59 @@ def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int) -> dict
     out, _ = jax.block_until_ready(decode(x, selected))
     row = dataclasses.asdict(shape) | {"indexer_bytes": shape.indexer_bytes,
                                        "decode_bytes": shape.decode_bytes}
-    row["ours_indexer_s"] = time_jax(indexer, (x,), reps=reps, trials=trials)
-    row["ours_decode_s"] = time_jax(decode, (x, selected), reps=reps, trials=trials)
-    if ops is not None:
+    samples = {k: [] for k in ("ours_indexer_s", "ours_decode_s", "vllm_indexer_s",
+                               "vllm_decode_s")}
+    for _ in range(2):
+        samples["ours_indexer_s"] += time_jax(indexer, (x,), reps=reps, trials=trials)
+        samples["ours_decode_s"] += time_jax(decode, (x, selected), reps=reps, trials=trials)
+        if ops is None or "vllm_err" in row:
+            continue
         try:
             v = vllm_case(ops, shape, x, selected, trials=trials)
-            row["vllm_indexer_s"] = v["vllm_indexer_s"]
-            row["vllm_decode_s"] = v["vllm_decode_s"]
-            row["selection_agree"] = selection_agreement(np.asarray(selected), v["vllm_selected"])
-            row["decode_rel_err_vs_vllm"] = rel_l2(np.asarray(out, np.float32), v["vllm_out"])
-            # Interleave: time ours again after vLLM, keep the better of the two medians.
-            row["ours_indexer_s"] = min(row["ours_indexer_s"],
-                                        time_jax(indexer, (x,), reps=reps, trials=trials))
-            row["ours_decode_s"] = min(row["ours_decode_s"],
-                                       time_jax(decode, (x, selected), reps=reps, trials=trials))
         except Exception as e:
             row["vllm_err"] = repr(e)[:500]
+            continue
+        samples["vllm_indexer_s"] += v["vllm_indexer_s"]
+        samples["vllm_decode_s"] += v["vllm_decode_s"]
+        row["selection_agree"] = selection_agreement(np.asarray(selected), v["vllm_selected"])
+        row["decode_rel_err_vs_vllm"] = rel_l2(np.asarray(out, np.float32), v["vllm_out"])
+    for k, v in samples.items():
+        if v:
+            row[k] = statistics.median(v)
+            row[k[:-2] + "_samples_us"] = [round(s * 1e6, 2) for s in v]
     del x
     return row
+
+
+def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int) -> list[dict]:
+    """Times the kernels' launch tunables on one shape (median us per config)."""
+    x = make_inputs(shape, seed)
+    selected = jax.block_until_ready(jax.jit(our_indexer)(x))
+    rows = []
+    for splits in (1, 2, 4, 8):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                kw = dict(num_splits=splits, num_warps=warps, num_stages=stages)
+                f = jax.jit(lambda x, sel, kw=kw: sparse_decode(
+                    x["q"], x["kv"], sel, x["block_table"], x["req_indices"], x["kv_lens"],
+                    scale=HEAD_DIM ** -0.5, **kw))
+                t = statistics.median(time_jax(f, (x, selected), reps=reps, trials=trials))
+                rows.append({"kernel": "decode", **kw, "us": round(t * 1e6, 2)})
+    for ppp in (1, 2, 4, 8, 16, 32):
+        for warps in (2, 4, 8):
+            for stages in (2, 3, 4):
+                kw = dict(pages_per_program=ppp, num_warps=warps, num_stages=stages)
+                f = jax.jit(lambda x, kw=kw: msa_index_scores(
+                    x["index_q"], x["index_k"], x["block_table"], x["req_indices"],
+                    x["positions"], **kw))
+                try:
+                    t = statistics.median(time_jax(f, (x,), reps=reps, trials=trials))
+                except Exception as e:  # an invalid combination for this shape
+                    rows.append({"kernel": "index_scores", **kw, "err": repr(e)[:200]})
+                    continue
+                rows.append({"kernel": "index_scores", **kw, "us": round(t * 1e6, 2)})
+    del x
+    return rows
 
 
 def markdown(result: dict) -> str:
@@ -304,6 +345,7 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shapes", default="all", help="'all' or a comma list of indices")
+    p.add_argument("--sweep", default="", help="comma list of shape indices to sweep tunables on")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     ops = load_vllm(args.vllm_ops)
@@ -317,6 +359,18 @@ def main(argv=None) -> int:
         row = bench_shape(shape, ops, reps=args.reps, trials=args.trials, seed=args.seed)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
+        with open(os.path.join(args.out, "kernels.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    if args.sweep:
+        result["sweep"] = {}
+        for i in args.sweep.split(","):
+            sh = all_shapes()[int(i)]
+            rows = sweep_shape(sh, reps=args.reps, trials=args.trials, seed=args.seed)
+            result["sweep"][str(sh)] = rows
+            for kernel in ("decode", "index_scores"):
+                ok = sorted((r for r in rows if r["kernel"] == kernel and "us" in r),
+                            key=lambda r: r["us"])
+                print(f"sweep {sh} {kernel} best 3: {ok[:3]}", flush=True)
         with open(os.path.join(args.out, "kernels.json"), "w") as f:
             json.dump(result, f, indent=1)
     md = markdown(result)
