@@ -95,7 +95,8 @@ def default_pages_per_program(num_tokens: int, max_pages: int) -> int:
 
 def _index_scores_kernel(q_ref, k_ref, bt_ref, req_ref, pos_ref, out_ref, *,
                          num_heads_pow2: int, rows: int, pages_per_program: int,
-                         num_pages_cache: int, num_reqs: int, max_pages: int):
+                         num_pages_cache: int, num_reqs: int, max_pages: int,
+                         preload_block_table: bool):
     """One program: token t = program_id(0), pages [c*ppp, (c+1)*ppp), c = program_id(1).
 
     q_ref [Hs, Di] (block of token t), k_ref [N, 128, Di] (whole cache), bt_ref [R, P],
@@ -120,8 +121,23 @@ def _index_scores_kernel(q_ref, k_ref, bt_ref, req_ref, pos_ref, out_ref, *,
     key_off = lax.broadcasted_iota(jnp.int32, (PAGE_SIZE, 1), 0)
     col = lax.broadcasted_iota(jnp.int32, (rows, ppp), 1)
 
+    if preload_block_table:
+        # The chunk's page ids as one vector load before the loop: the page addresses in the
+        # loop then depend on no load, which keeps the loop easy to software-pipeline.
+        chunk = bt_ref.at[req, pl.ds(start, ppp)]
+        if max_pages % ppp == 0:
+            chunk_pages = chunk[...]
+        else:  # the last chunk runs past column P - 1
+            chunk_pages = plt.load(chunk, mask=start + lax.iota(jnp.int32, ppp) < max_pages,
+                                   other=0)
+        chunk_pages = jnp.clip(chunk_pages, 0, num_pages_cache - 1)
+        lane = lax.iota(jnp.int32, ppp)
+
     def body(b, acc):
-        page = jnp.clip(bt_ref[req, b], 0, num_pages_cache - 1)
+        if preload_block_table:
+            page = jnp.sum(jnp.where(lane == b - start, chunk_pages, 0))
+        else:
+            page = jnp.clip(bt_ref[req, b], 0, num_pages_cache - 1)
         k = k_ref[page, :, :]  # [128, Di], one contiguous page
         s = lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32)  # [128, rows]
@@ -137,16 +153,17 @@ def _index_scores_kernel(q_ref, k_ref, bt_ref, req_ref, pos_ref, out_ref, *,
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_program", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "preload_block_table"))
 def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: jax.Array,
                      req_indices: jax.Array, positions: jax.Array, *, interpret: bool = False,
                      pages_per_program: int | None = None, num_warps: int = 4,
-                     num_stages: int = 3) -> jax.Array:
+                     num_stages: int = 3, preload_block_table: bool = True) -> jax.Array:
     """Block scores [T, H, P] f32 (see module docstring) with a Pallas Triton kernel.
 
     Tunables (static): `pages_per_program` (power of two; default
     `default_pages_per_program(T, P)`), `num_warps`, `num_stages` (software pipelining depth
-    of the page loop).
+    of the page loop), `preload_block_table` (load the program's ppp page ids as one vector
+    before the loop, else one scalar load per page inside the loop).
     """
     _validate(index_q, index_k_cache, block_table, req_indices, positions)
     t, h, di = index_q.shape
@@ -167,7 +184,7 @@ def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
 
     kernel = functools.partial(
         _index_scores_kernel, num_heads_pow2=hs, rows=rows, pages_per_program=ppp,
-        num_pages_cache=n, num_reqs=r, max_pages=p)
+        num_pages_cache=n, num_reqs=r, max_pages=p, preload_block_table=preload_block_table)
     out = pl.pallas_call(
         kernel,
         grid=(t, num_chunks),

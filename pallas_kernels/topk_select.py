@@ -72,13 +72,17 @@ def _prepare(x, ids, nvp, *, max_pages: int, topk: int, local_blocks: int, init_
     return jnp.where(forced, jnp.inf, jnp.where(valid, x, -jnp.inf))
 
 
-def _topk_select_kernel(s_ref, nvp_ref, out_ref, *, max_pages: int, topk: int,
-                        local_blocks: int, init_blocks: int):
-    """One token: s_ref [Hs, Pp] (block), nvp_ref [T] (whole), out_ref [Hs, topk] (block)."""
+def _topk_select_kernel(s_ref, cnt_ref, out_ref, *, max_pages: int, topk: int,
+                        local_blocks: int, init_blocks: int, counts_are_positions: bool):
+    """One token: s_ref [Hs, Pp] (block), cnt_ref [T] (whole: num_valid_pages, or positions
+    when `counts_are_positions`), out_ref [Hs, topk] (block)."""
     t = pl.program_id(0)
     hs, pp = s_ref.shape
+    nvp = cnt_ref[t]
+    if counts_are_positions:
+        nvp = jnp.floor_divide(nvp, PAGE_SIZE) + 1
     ids = lax.broadcasted_iota(jnp.int32, (hs, pp), 1)
-    x = _prepare(s_ref[...], ids, nvp_ref[t], max_pages=max_pages, topk=topk,
+    x = _prepare(s_ref[...], ids, nvp, max_pages=max_pages, topk=topk,
                  local_blocks=local_blocks, init_blocks=init_blocks)
     slot = lax.broadcasted_iota(jnp.int32, (hs, topk), 1)
 
@@ -106,16 +110,9 @@ def _topk_select_kernel(s_ref, nvp_ref, out_ref, *, max_pages: int, topk: int,
     out_ref[...] = jnp.sum(jnp.where(hit, win[:, :, None], 0), axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks",
-                                             "interpret", "num_warps"))
-def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: int = 16,
-                       local_blocks: int = 1, init_blocks: int = 0, interpret: bool = False,
-                       num_warps: int = 4) -> jax.Array:
-    """Selected block ids [T, H, topk] int32 (see module docstring), Pallas Triton kernel.
-
-    Tunable (static): `num_warps`.
-    """
-    _validate(scores, num_valid_pages, topk, local_blocks, init_blocks)
+def _select_call(scores, counts, *, topk: int, local_blocks: int, init_blocks: int,
+                 interpret: bool, num_warps: int, counts_are_positions: bool):
+    """The pallas_call of the selector; `counts` [T] int32 is num_valid_pages or positions."""
     if num_warps < 1 or not _is_pow2(num_warps):
         raise ValueError(f"num_warps: must be a power of two >= 1, got {num_warps}")
     t, h, p = scores.shape
@@ -124,7 +121,8 @@ def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: i
         scores = jnp.pad(scores, ((0, 0), (0, hs - h), (0, pp - p)),
                          constant_values=-jnp.inf)
     kernel = functools.partial(_topk_select_kernel, max_pages=p, topk=topk,
-                               local_blocks=local_blocks, init_blocks=init_blocks)
+                               local_blocks=local_blocks, init_blocks=init_blocks,
+                               counts_are_positions=counts_are_positions)
     out = pl.pallas_call(
         kernel,
         grid=(t,),
@@ -135,8 +133,23 @@ def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: i
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="sparse_topk_select",
-    )(scores, num_valid_pages)
+    )(scores, counts)
     return out[:, :h] if hs != h else out
+
+
+@functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks",
+                                             "interpret", "num_warps"))
+def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: int = 16,
+                       local_blocks: int = 1, init_blocks: int = 0, interpret: bool = False,
+                       num_warps: int = 4) -> jax.Array:
+    """Selected block ids [T, H, topk] int32 (see module docstring), Pallas Triton kernel.
+
+    Tunable (static): `num_warps`.
+    """
+    _validate(scores, num_valid_pages, topk, local_blocks, init_blocks)
+    return _select_call(scores, num_valid_pages, topk=topk, local_blocks=local_blocks,
+                        init_blocks=init_blocks, interpret=interpret, num_warps=num_warps,
+                        counts_are_positions=False)
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks"))
@@ -163,22 +176,27 @@ def _num_valid_pages(positions: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_program", "num_warps",
-                                             "num_stages", "select_num_warps"))
+                                             "num_stages", "preload_block_table",
+                                             "select_num_warps"))
 def msa_index_select(index_q: jax.Array, index_k_cache: jax.Array, block_table: jax.Array,
                      req_indices: jax.Array, positions: jax.Array, *, interpret: bool = False,
                      pages_per_program: int | None = None, num_warps: int = 4,
-                     num_stages: int = 3, select_num_warps: int = 4) -> jax.Array:
+                     num_stages: int = 3, preload_block_table: bool = True,
+                     select_num_warps: int = 4) -> jax.Array:
     """Indexer + selection: [T, H, 16] int32 block ids of the MSA decode/prefill path.
 
     `msa_index_scores` (shapes as there) then `sparse_topk_select` with
-    num_valid_pages = positions // 128 + 1, topk 16, local block forced, no init blocks.
+    num_valid_pages = positions // 128 + 1 (computed inside the selector kernel: two kernel
+    launches, no other device op), topk 16, local block forced, no init blocks.
     Tunables are those of the two kernels (`select_num_warps` is the selector's num_warps).
     """
     scores = msa_index_scores(index_q, index_k_cache, block_table, req_indices, positions,
                               interpret=interpret, pages_per_program=pages_per_program,
-                              num_warps=num_warps, num_stages=num_stages)
-    return sparse_topk_select(scores, _num_valid_pages(positions), interpret=interpret,
-                              num_warps=select_num_warps)
+                              num_warps=num_warps, num_stages=num_stages,
+                              preload_block_table=preload_block_table)
+    return _select_call(scores, positions, topk=16, local_blocks=1, init_blocks=0,
+                        interpret=interpret, num_warps=select_num_warps,
+                        counts_are_positions=True)
 
 
 @jax.jit

@@ -60,16 +60,16 @@ def check_scores(got, want, positions, num_heads):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("dtype,num_heads,index_dim,pages_per_program", [
-    (jnp.float32, 4, 32, None),
-    (jnp.bfloat16, 1, 128, 8),
-    (jnp.bfloat16, 4, 128, 64),
-    (jnp.float32, 1, 128, 4),
+@pytest.mark.parametrize("dtype,num_heads,index_dim,pages_per_program,preload", [
+    (jnp.float32, 4, 32, None, True),
+    (jnp.bfloat16, 1, 128, 8, True),
+    (jnp.bfloat16, 4, 128, 64, True),  # one chunk wider than P: masked block-table preload
+    (jnp.float32, 1, 128, 4, False),
 ])
-def test_matches_reference(dtype, num_heads, index_dim, pages_per_program):
+def test_matches_reference(dtype, num_heads, index_dim, pages_per_program, preload):
     q, k, bt, req, pos = make_batch(0, dtype, num_heads, index_dim)
     got = msa_index_scores(q, k, bt, req, pos, interpret=INTERPRET,
-                           pages_per_program=pages_per_program)
+                           pages_per_program=pages_per_program, preload_block_table=preload)
     want = msa_index_scores_reference(q, k, bt, req, pos)
     check_scores(got, want, pos, num_heads)
 

@@ -1,5 +1,7 @@
 """The indexer and select kernels lower to Triton for an (abstract) H200 at the benchmark
 shapes of H200_BASELINE.md (bf16): catches GPU-only lowering errors on the CPU."""
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -24,20 +26,25 @@ def indexer_args(batch, num_heads, max_pages, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("context", [8192, 65536])
 def test_index_select_lowers_for_h200(num_heads, batch, context):
     max_pages = context // 128
-    calls = triton_calls(lower_for_cuda(msa_index_select, *indexer_args(batch, num_heads,
-                                                                          max_pages)))
-    assert [c["name"] for c in calls] == ["msa_index_scores", "sparse_topk_select"]
+    text = lower_for_cuda(msa_index_select, *indexer_args(batch, num_heads, max_pages))
+    # exactly the two kernels: no pad/slice/nvp op launched between them
+    assert set(re.findall(r"stablehlo\.(\w+)", text)) - {"mesh"} == {"custom_call"}
+    calls = triton_calls(text)
+    assert sorted(c["name"] for c in calls) == ["msa_index_scores", "sparse_topk_select"]
+    by_name = {c["name"]: c for c in calls}
     ppp = default_pages_per_program(batch, max_pages)
-    assert (calls[0]["grid_x"], calls[0]["grid_y"]) == (batch, max_pages // ppp)
-    assert calls[1]["grid_x"] == batch
+    scores = by_name["msa_index_scores"]
+    assert (scores["grid_x"], scores["grid_y"]) == (batch, max_pages // ppp)
+    assert by_name["sparse_topk_select"]["grid_x"] == batch
 
 
-@pytest.mark.parametrize("pages_per_program,num_warps,num_stages", [(1, 4, 2), (16, 8, 4),
-                                                                     (64, 4, 3)])
-def test_index_scores_tunables_lower(pages_per_program, num_warps, num_stages):
+@pytest.mark.parametrize("pages_per_program,num_warps,num_stages,preload", [
+    (1, 4, 2, True), (16, 8, 4, False), (64, 4, 3, True), (8, 2, 5, False)])
+def test_index_scores_tunables_lower(pages_per_program, num_warps, num_stages, preload):
     [call] = triton_calls(lower_for_cuda(msa_index_scores, *indexer_args(16, 4, 512),
                                          pages_per_program=pages_per_program,
-                                         num_warps=num_warps, num_stages=num_stages))
+                                         num_warps=num_warps, num_stages=num_stages,
+                                         preload_block_table=preload))
     assert (call["grid_x"], call["grid_y"]) == (16, 512 // pages_per_program)
     assert (call["num_warps"], call["num_stages"]) == (num_warps, num_stages)
 
@@ -46,8 +53,8 @@ def test_f32_and_odd_shapes_lower():
     """f32 operands (IEEE dot), H=3 (padded to 4), P=40 (not a power of two), Di=32."""
     args = (S((5, 3, 32), jnp.float32), S((50, 128, 32), jnp.float32), S((2, 40), jnp.int32),
             S((5,), jnp.int32), S((5,), jnp.int32))
-    calls = triton_calls(lower_for_cuda(msa_index_select, *args))
-    assert [c["name"] for c in calls] == ["msa_index_scores", "sparse_topk_select"]
+    calls = triton_calls(lower_for_cuda(msa_index_select, *args, pages_per_program=16))
+    assert sorted(c["name"] for c in calls) == ["msa_index_scores", "sparse_topk_select"]
     calls = triton_calls(lower_for_cuda(sparse_topk_select, S((5, 3, 40), jnp.float32),
                                         S((5,), jnp.int32), init_blocks=1, num_warps=8))
     assert calls[0]["num_warps"] == 8
