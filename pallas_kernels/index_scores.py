@@ -14,22 +14,22 @@ Shapes / dtypes:
   result         [T, H, P]    f32
 
 Safety boundary: every page id is clamped to [0, N) and every request row to [0, R) before
-an address is formed, and only block-table columns b < min(nvp_t, P) are read, so a wrong
-id (a -1 sentinel, a stale or garbage entry) can never cause an out-of-bounds read. Such an
-id yields the scores of the clamped page, not an error: callers must keep the block-table
-entries a token may read in [0, N) (spec section 6 padding points them at page 0).
+an address is formed, and block-table reads stay inside columns [0, P) of that row, so a
+wrong id (a -1 sentinel, a stale or garbage entry) can never cause an out-of-bounds read.
+Such an id yields the scores of the clamped page, not an error: callers must keep the
+block-table entries a token may read in [0, N) (spec section 6 padding points them at page
+0). Index-K pages of blocks b >= nvp_t are never loaded (no memory traffic for them).
 
 Kernel layout: grid (T, ceil(P / pages_per_program)); program (t, c) owns pages
 [c * ppp, (c + 1) * ppp) of token t, loads the token's H query rows once and loops
 (software-pipelined fori_loop) over its valid pages, one contiguous [128, Di] page per
 iteration, scoring all H heads against it (shared index-key head: one read per page per
-token). The dot needs M >= 16 rows: the H query rows are replicated 16 / H times (no padding
+token); the program's page ids are loaded as one vector before the loop by default. The dot needs M >= 16 rows: the H query rows are replicated 16 / H times (no padding
 rows to mask) and the duplicate rows are folded back with a max at the end.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,8 @@ def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> No
     if index_q.ndim != 3:
         raise ValueError(f"index_q: expected rank 3 [T, H, Di], got shape {index_q.shape}")
     t, h, di = index_q.shape
+    if t < 1:
+        raise ValueError(f"index_q: needs T >= 1 tokens, got shape {index_q.shape}")
     if index_k_cache.ndim != 3 or index_k_cache.shape[1] != PAGE_SIZE:
         raise ValueError(f"index_k_cache: expected shape [N, {PAGE_SIZE}, Di], "
                          f"got {index_k_cache.shape}")

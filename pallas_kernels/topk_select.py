@@ -44,8 +44,8 @@ def _is_pow2(x: int) -> bool:
 
 def _validate(scores, num_valid_pages, topk, local_blocks, init_blocks) -> None:
     """Raises ValueError / TypeError naming the offending argument and the bound."""
-    if scores.ndim != 3 or min(scores.shape[1:]) < 1:
-        raise ValueError(f"scores: expected shape [T, H >= 1, P >= 1], got {scores.shape}")
+    if scores.ndim != 3 or min(scores.shape) < 1:
+        raise ValueError(f"scores: expected shape [T >= 1, H >= 1, P >= 1], got {scores.shape}")
     if jnp.dtype(scores.dtype) != jnp.dtype(jnp.float32):
         raise TypeError(f"scores: dtype must be float32, got {scores.dtype}")
     if num_valid_pages.shape != (scores.shape[0],):

@@ -1,6 +1,5 @@
 """msa_index_scores (Pallas) vs msa_index_scores_reference (jnp), spec section 2."""
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
