@@ -2,7 +2,7 @@
 
 For the 16 shapes of ../shared/anchors/H200_BASELINE.md (Hq/Hkv 16/1 and 64/4, B decode
 tokens in 1/16/64/128, every request at context L in 8192/65536) it times, in one run:
-  * indexer + select: ours `sparse_topk_select(msa_index_scores(...))` vs vLLM's
+  * indexer + select: ours `msa_index_select` (msa_index_scores + sparse_topk_select) vs vLLM's
     `minimax_m3_index_decode`; bytes = the visible index-K rows, B*L*128*2;
   * sparse decode: ours `sparse_decode` vs vLLM's `minimax_m3_sparse_attn_decode` on the
     same selection; bytes = K and V of 16 pages per KV head, B*Hkv*16*128*256*2;
@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.index_scores import msa_index_scores  # noqa: E402
 from pallas_kernels.sparse_decode import sparse_decode  # noqa: E402
-from pallas_kernels.topk_select import sparse_topk_select  # noqa: E402
+from pallas_kernels.topk_select import msa_index_select  # noqa: E402
 
 PAGE = 128
 TOPK = 16
@@ -88,9 +88,9 @@ def make_inputs(shape: Shape, seed: int) -> dict:
 
 
 def our_indexer(x: dict) -> jax.Array:
-    scores = msa_index_scores(x["index_q"], x["index_k"], x["block_table"], x["req_indices"],
-                              x["positions"])
-    return sparse_topk_select(scores, x["positions"] // PAGE + 1)
+    """Scores + select: two kernel launches (nvp is derived from positions in the select)."""
+    return msa_index_select(x["index_q"], x["index_k"], x["block_table"], x["req_indices"],
+                            x["positions"])
 
 
 def our_decode(x: dict, selected: jax.Array) -> tuple[jax.Array, jax.Array]:
