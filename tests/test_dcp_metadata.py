@@ -57,6 +57,16 @@ CFG_DCP = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=16, bucket_sizes=(
                        max_model_len=3000, dcp_world_size=4)
 
 
+@jax.jit
+def _all_rank_slots(md):
+    """[W, T] slot mappings of every rank (traced rank): from staged metadata, and recomputed."""
+    ranks = jnp.arange(4)
+    staged = jax.vmap(lambda r: rank_slot_mapping(md, 4, r))(ranks)
+    recomputed = jax.vmap(lambda r: dcp_slot_mapping(md.positions, md.req_indices, md.token_mask,
+                                                     md.block_table, 4, r))(ranks)
+    return staged, recomputed
+
+
 @given(data=st.data())
 def test_slot_mapping_single_owner_property(data):
     n = data.draw(st.integers(1, 4))
@@ -68,10 +78,7 @@ def test_slot_mapping_single_owner_property(data):
     rows = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(n)]
     md = stage_batch(sched, comp, rows, CFG_DCP)
     validate_metadata(md, CFG_DCP)
-    per_rank = np.stack([np.asarray(rank_slot_mapping(md, 4, r)) for r in range(4)])
-    recomputed = np.stack([np.asarray(dcp_slot_mapping(md.positions, md.req_indices,
-                                                       md.token_mask, md.block_table, 4, r))
-                           for r in range(4)])
+    per_rank, recomputed = (np.asarray(a) for a in _all_rank_slots(md))
     np.testing.assert_array_equal(per_rank, recomputed)
     real = np.asarray(md.token_mask)
     np.testing.assert_array_equal((per_rank >= 0).sum(0), real.astype(int))

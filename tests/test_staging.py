@@ -109,13 +109,13 @@ def real_batches(draw, config):
                                 max_size=n - 1, unique=True))) if n > 1 else []
     sched = np.diff([0, *cuts, total]).tolist() if n else []
     unit = config.page_size * config.dcp_world_size
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))  # page ids: cheap to draw
     comp, rows = [], []
     for q in sched:
         c = draw(st.integers(0, config.max_model_len - q))
         need = -(-(c + q) // unit)
         extra = draw(st.integers(0, config.max_pages - need))
-        rows.append(draw(st.lists(st.integers(1, 5000), min_size=need + extra,
-                                  max_size=need + extra)))
+        rows.append(rng.integers(1, 5000, size=need + extra))
         comp.append(c)
     return sched, comp, rows
 
@@ -167,4 +167,13 @@ def test_block_table_as_2d_array():
     table = np.array([[4, 0, 0, 0], [6, 7, 0, 0]])
     md = stage_batch([1, 2], [0, 127], table, CFG_SMALL)
     np.testing.assert_array_equal(md.slot_mapping[:3], [512, 6 * 128 + 127, 7 * 128])
+    validate_metadata(md, CFG_SMALL)
+
+
+def test_empty_batch_is_all_padding():
+    md = stage_batch([], [], [], CFG_SMALL)
+    assert (md.num_tokens_padded, md.num_reqs_padded) == (4, 4)
+    np.testing.assert_array_equal(md.query_start_loc, 0)
+    np.testing.assert_array_equal(md.token_mask, False)
+    np.testing.assert_array_equal(md.slot_mapping, -1)
     validate_metadata(md, CFG_SMALL)
