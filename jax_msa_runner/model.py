@@ -53,7 +53,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     intermediate_size: int = 512
     num_index_heads: int = 1
-    index_dim: int = 128
+    index_dim: int = 64
     sparse_attention_freq: tuple[int, ...] = (0, 1, 1, 1)
     topk_blocks: int = MSA_TOPK
     block_size: int = PAGE_SIZE
@@ -119,7 +119,8 @@ class ModelConfig:
     # ---- constructors ----------------------------------------------------------------------
     @classmethod
     def tiny(cls, **overrides) -> "ModelConfig":
-        """Built-in small default: 4 layers (1 dense + 3 MSA), 16 q / 1 kv heads of dim 128."""
+        """Built-in small default: 4 layers (1 dense + 3 MSA), 16 q / 1 kv heads of dim 128,
+        index dim 64 (the released model: 128; smaller keeps the CPU demo quick)."""
         return dataclasses.replace(cls(), **overrides)
 
     @classmethod
