@@ -8,11 +8,35 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install demo test
+.PHONY: install demo test compare-env compare
 install: $(VENV)/.installed
 
 demo: install
 	$(VENV)/bin/jax-msa-runner demo
 
-test: install
+test: install compare-env
 	$(VENV)/bin/python -m pytest -q tests
+
+# Comparison against vLLM 0.33.0's MiniMax-M3 ops (README, "Comparison with vLLM"): a separate
+# Python 3.11 venv with CPU torch + triton (Triton's interpreter runs vLLM's kernels on CPU) and the
+# two op files taken from the vllm wheel into the ignored $(VLLM_OPS) with stand-ins for vLLM's
+# helpers. The main install stays as it is; `make demo` does not build any of this.
+PYTHON311 ?= $(shell command -v python3.11 >/dev/null 2>&1 && echo python3.11 || echo "$$(pyenv root)/versions/3.11.7/bin/python3.11")
+VLLM_VENV ?= .venv-vllm
+VLLM_OPS ?= .vllm_ops
+WHEEL_CACHE ?= $(HOME)/.cache/jax-msa-runner/wheels
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON311) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 triton==3.6.0 'numpy<2.4'
+	touch $@
+
+$(VLLM_OPS)/MANIFEST.json: jax_msa_runner/vllm_ops.py | $(VLLM_VENV)/.installed
+	ls $(WHEEL_CACHE)/vllm-0.33.0-*.whl >/dev/null 2>&1 || \
+	  $(VLLM_VENV)/bin/pip download -q --no-deps vllm==0.33.0 -d $(WHEEL_CACHE)
+	$(VLLM_VENV)/bin/python jax_msa_runner/vllm_ops.py --wheel $(WHEEL_CACHE) --out $(VLLM_OPS)
+
+compare-env: $(VLLM_VENV)/.installed $(VLLM_OPS)/MANIFEST.json
+
+compare: install compare-env
+	$(VENV)/bin/python -m jax_msa_runner.compare --negative-control
