@@ -111,6 +111,7 @@ def sanitize_selection(selected, kv_lens):
     return jnp.where(ok, selected, 0), ok
 
 
+@functools.partial(jax.jit, static_argnames=("scale",))
 def sparse_decode_reference(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale):
     """Gather + einsum reference of :func:`sparse_decode` (same arguments, same boundary).
 

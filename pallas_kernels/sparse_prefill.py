@@ -33,6 +33,7 @@ MAX_TILE_ROWS = 256  # tokens_per_tile * padded group: accumulator rows of one p
 _NO_KEY = jnp.iinfo(jnp.int32).max
 
 
+@functools.partial(jax.jit, static_argnames=("scale",))
 def sparse_prefill_reference(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale):
     """Reference of :func:`sparse_prefill`: the decode reference (identical semantics).
 

@@ -11,6 +11,7 @@ tails of partial pages.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -30,7 +31,7 @@ class Req:
 
     seq_len: int
     q_len: int = 1
-    edit: str | None = None  # None | minus1 | oob | stale | all_minus1 | short
+    edit: str | None = None  # None | minus1 | oob | stale | all_minus1 | short | dup
 
 
 @dataclasses.dataclass
@@ -68,6 +69,8 @@ def _selection(rng, kv_len, edit):
         sel = -np.ones(TOPK, int)
     elif edit == "short":  # fewer than 16 valid pages in a full consumed range
         sel[10:] = -1
+    elif edit == "dup":  # a repeated id counts twice (multiset semantics)
+        sel[min(1, n_use - 1)] = sel[0]
     kept = [int(b) for b in sel[:n_use] if 0 <= b < n]
     return sel.astype(np.int32), kept
 
@@ -131,22 +134,22 @@ def oracle(batch, scale):
     lse = np.full((t, hq), -np.inf)
     for i in range(t):
         for h in range(hkv):
-            keys = [(b, j) for b in batch.kept[i][h] for j in range(PAGE)
-                    if b * PAGE + j < batch.kv_lens[i]]
-            if not keys:
+            blocks = np.asarray(batch.kept[i][h], np.int64)
+            pos = (blocks[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
+            valid = pos < batch.kv_lens[i]
+            if not valid.any():
                 continue
-            pages = batch.block_table[batch.req_indices[i], [b for b, _ in keys]]
-            slots = [j for _, j in keys]
-            k = kv[pages, h, slots, :d]
-            v = kv[pages, h, slots, d:]
-            s = q[i, h * g:(h + 1) * g] @ k.T * scale
+            pages = batch.block_table[batch.req_indices[i], blocks]
+            kv_rows = kv[pages, h].reshape(-1, 2 * d)[valid]                # [keys, 2D]
+            s = q[i, h * g:(h + 1) * g] @ kv_rows[:, :d].T * scale
             m = s.max(axis=1, keepdims=True)
             p = np.exp(s - m)
-            out[i, h * g:(h + 1) * g] = (p @ v) / p.sum(axis=1, keepdims=True)
+            out[i, h * g:(h + 1) * g] = (p @ kv_rows[:, d:]) / p.sum(axis=1, keepdims=True)
             lse[i, h * g:(h + 1) * g] = m[:, 0] + np.log(p.sum(axis=1))
     return out, lse
 
 
+@functools.partial(jax.jit, static_argnames="scale")
 def dense_causal_attention(q, kv_cache, block_table, req_indices, kv_lens, *, scale):
     """Dense causal paged attention in jnp: every key ``< kv_len`` of the token's request."""
     t, hq, d = q.shape
@@ -178,6 +181,7 @@ DECODE_REQS = (
     Req(300, q_len=3),                       # spec decode: kv_len 298, 299, 300
     Req(1000, edit="minus1"), Req(700, edit="oob"), Req(4096, edit="stale"),
     Req(3000, edit="all_minus1"), Req(5000, edit="short"), Req(250, q_len=2, edit="minus1"),
+    Req(600, edit="dup"),
 )
 IDENTITY_ROWS = (0, 1, 2, 3, 4, 5, 8, 9, 10)  # tokens of requests with kv_len <= 2048, unedited
 
