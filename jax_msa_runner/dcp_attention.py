@@ -108,7 +108,8 @@ def shard_to_mesh(stacked: jax.Array, mesh: Mesh) -> jax.Array:
 # ------------------------------------------------------- cache sharding (tests and tools)
 
 def shard_paged_caches(caches: Sequence[np.ndarray], block_table: np.ndarray,
-                       seq_lens: np.ndarray, world_size: int
+                       seq_lens: np.ndarray, world_size: int, *,
+                       num_local_pages: int | None = None
                        ) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
     """Splits single-device paged caches into per-rank caches by the interleave rule.
 
@@ -119,14 +120,19 @@ def shard_paged_caches(caches: Sequence[np.ndarray], block_table: np.ndarray,
     Returns (per cache a stack [W, 1 + R * Pl, ...], local block table int32 [R, Pl]
     with 0 beyond a row's pages); the local table is the same on every rank.
     """
+    caches = [np.asarray(c) for c in caches]
     bt = np.asarray(block_table)
     seq = np.asarray(seq_lens, np.int64)
     R = bt.shape[0]
     W = int(world_size)
     need_local = -(-seq // (PAGE_SIZE * W))
     pl_ = max(1, int(need_local.max(initial=0)))
+    n_local = 1 + R * pl_ if num_local_pages is None else int(num_local_pages)
+    if n_local < 1 + R * pl_:
+        raise DCPError(f"num_local_pages: {R} rows of {pl_} local pages need "
+                       f"{1 + R * pl_} pages, got {n_local}")
     local_bt = np.zeros((R, pl_), np.int32)
-    shards = [np.zeros((W, 1 + R * pl_) + c.shape[1:], c.dtype) for c in caches]
+    shards = [np.zeros((W, n_local) + c.shape[1:], c.dtype) for c in caches]
     for r in range(R):
         n_global = -(-int(seq[r]) // PAGE_SIZE)
         for j in range(int(need_local[r])):
@@ -148,6 +154,7 @@ def unshard_paged_caches(shards: Sequence[np.ndarray], local_block_table: np.nda
     gets physical page ``1 + r * Pg + g`` holding ``shards[g % W][local_bt[r, g // W]]``.
     Returns (per cache [1 + R * Pg, ...], global block table int32 [R, Pg]).
     """
+    shards = [np.asarray(s) for s in shards]
     lbt = np.asarray(local_block_table)
     seq = np.asarray(seq_lens, np.int64)
     R, W, Pg = lbt.shape[0], int(world_size), int(max_pages)
