@@ -2,10 +2,12 @@
 
 Kernel (Pallas, Triton backend): grid ``(T, Hkv, num_splits)``. A program owns the GQA group of
 one token and one KV head (the group's query heads, padded to >= 16, are the dot rows) and a
-contiguous range of ``16 // num_splits`` selection slots. Per slot it reads the block id, applies
-the safety boundary, reads the page id from the block table, loads the page's K and V halves
-(``[128, D]`` each) and updates an online softmax (base 2, finite mask value). Splits are merged
-by log-sum-exp in jnp. Slots at or beyond ``n_use`` are skipped (dynamic loop bound).
+contiguous range of ``16 // num_splits`` selection slots. Before its loop it loads the 16 block
+ids as one vector, applies the safety boundary and gathers the 16 page ids from the block table
+(so the loop has no dependent scalar loads and Triton can pipeline the page loads); per slot it
+loads the page's K and V halves (``[128, D]`` each) and updates an online softmax (base 2, finite
+mask value). Splits are merged by log-sum-exp in jnp; with one split the kernel writes the final
+output. Slots at or beyond ``n_use`` are skipped (dynamic loop bound: no loads for them).
 
 Safety boundary (in the kernel and in the reference): for a consumed slot, a block id that is
 ``< 0`` or ``>= ceil(kv_len / 128)`` is replaced by block 0 before the block-table read and every
@@ -214,12 +216,20 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
     q = q_ref[...]
     rows = q.shape[0]
     keys = jnp.arange(PAGE, dtype=jnp.int32)
+    # All 16 slots at once, outside the loop: boundary, then one gather of the page ids, so
+    # the loop body holds no dependent scalar loads and its K/V loads can be pipelined.
+    slot = jnp.arange(TOPK, dtype=jnp.int32)
+    raw = sel_ref[...]                                    # [16]
+    ok_vec = (slot < n_use) & (raw >= 0) & (raw < n_blocks)
+    blk_vec = jnp.where(ok_vec, raw, 0)                   # boundary: before the table read
+    page_vec = jnp.clip(bt_ref[row, blk_vec], 0, num_pages - 1)
+    ok_vec = ok_vec.astype(jnp.int32)
 
     def body(i, carry):
-        raw = sel_ref[first + i]
-        ok = (raw >= 0) & (raw < n_blocks)
-        blk = jnp.where(ok, raw, 0)                       # boundary: before the table read
-        page = jnp.clip(bt_ref[row, blk], 0, num_pages - 1)
+        pick = slot == first + i                          # register "indexing": one-hot sum
+        page = jnp.sum(jnp.where(pick, page_vec, 0))
+        blk = jnp.sum(jnp.where(pick, blk_vec, 0))
+        ok = jnp.sum(jnp.where(pick, ok_vec, 0)) > 0
         k = kv_ref[page, h, :, pl.ds(0, head_dim)]
         v = kv_ref[page, h, :, pl.ds(head_dim, head_dim)]
         key_ok = ok & (blk * PAGE + keys < kv_len)        # [128]

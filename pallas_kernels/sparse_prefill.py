@@ -95,12 +95,18 @@ def _prefill_kernel(row_ref, len_ref, cnt_ref, bt_ref, sel_ref, union_ref, q_ref
     row_len = jnp.sum(jnp.where(onehot, tok_len[None, :], 0), axis=1)    # [rows]
     keys = jnp.arange(PAGE, dtype=jnp.int32)
     q = q_ref[...].reshape(rows, head_dim)
+    # The whole union at once, outside the loop: clamp, then one gather of its page ids.
+    ukey = jnp.clip(union_ref[...], 0, num_rows * num_cols - 1)         # [TQ*16]
+    urow = ukey // num_cols
+    ublk = ukey - urow * num_cols
+    upage = jnp.clip(bt_ref[urow, ublk], 0, num_pages - 1)
+    uslot = jnp.arange(ukey.shape[0], dtype=jnp.int32)
 
     def body(i, carry):
-        key = jnp.clip(union_ref[first + i], 0, num_rows * num_cols - 1)
-        row = key // num_cols
-        blk = key - row * num_cols
-        page = jnp.clip(bt_ref[row, blk], 0, num_pages - 1)
+        pick = uslot == first + i                        # register "indexing": one-hot sum
+        row = jnp.sum(jnp.where(pick, urow, 0))
+        blk = jnp.sum(jnp.where(pick, ublk, 0))
+        page = jnp.sum(jnp.where(pick, upage, 0))
         k = kv_ref[page, h, :, pl.ds(0, head_dim)]
         v = kv_ref[page, h, :, pl.ds(head_dim, head_dim)]
         hits = jnp.sum((sel == blk).astype(jnp.int32), axis=1)           # [TQ]
