@@ -32,8 +32,8 @@ MAX_PAGES = MAX_LEN // PAGE
 N_GLOBAL = 1 + 4 * MAX_PAGES  # fixed cache shapes: one compile per (W, dtype)
 N_LOCAL = 1 + 4 * MAX_PAGES // 2  # enough for 4 rows of ceil(32 / W) local pages, W >= 2
 F32_TOL = dict(atol=1e-5, rtol=1e-5)
-BF16_TOL = dict(atol=1e-2, rtol=1e-2)
-LSE_TOL = dict(atol=1e-4, rtol=1e-5)
+BF16_TOL = dict(atol=4e-3, rtol=8e-3)  # measured max |diff| 1e-3 (one bf16 ulp at 0.25)
+LSE_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def _config(world_size, **kw):
