@@ -284,3 +284,32 @@ def test_invalid_dcp_settings_error():
         dcp_msa_attention(jnp.zeros((8, HQ, D)), jnp.zeros((8, HKV, DI)),
                           jnp.zeros((4, 3, HKV, PAGE, 2 * D)), jnp.zeros((2, 3, PAGE, DI)),
                           md, mesh, scale=SCALE)
+
+
+def test_lowers_for_two_h200s():
+    """The W = 2 program at a benchmark shape lowers for CUDA on an abstract 2 x H200 mesh:
+    the three Triton kernels and the collectives (2 query all-gathers, 2 candidate
+    all-gathers, pmax + 2 psums)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionSpec as P
+
+    from pallas_kernels._lowering import H200, triton_calls
+    w, b, length = 2, 16, 32768
+    mesh = AbstractMesh((w,), ("dcp",), abstract_device=AbstractDevice(*H200, "cuda"))
+    pl_ = length // PAGE // w
+    cfg = RunnerConfig(max_num_seqs=b, max_num_batched_tokens=b, max_model_len=length,
+                       bucket_sizes=(b,), dcp_world_size=w)
+    md = stage_batch(np.ones(b, np.int64), np.full(b, length - 1),
+                     1 + np.arange(b)[:, None] * pl_ + np.arange(pl_)[None], cfg)
+    spec = lambda shape, dtype, s: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=NamedSharding(mesh, s))
+    md = jax.tree.map(lambda a: spec(a.shape, a.dtype, P()), md)
+    args = (spec((b, 16, 128), jnp.bfloat16, P("dcp")), spec((b, 1, 128), jnp.bfloat16, P("dcp")),
+            spec((w, 1 + b * pl_, 1, PAGE, 256), jnp.bfloat16, P("dcp")),
+            spec((w, 1 + b * pl_, PAGE, 128), jnp.bfloat16, P("dcp")), md)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(lambda *a: dcp_msa_attention(*a, mesh=mesh, scale=128 ** -0.5)).trace(
+            *args).lower(lowering_platforms=("cuda",)).as_text()
+    names = [c["name"] for c in triton_calls(text)]
+    assert names == ["msa_index_scores", "sparse_topk_select", "msa_sparse_decode"]
+    assert text.count("stablehlo.all_gather") == 4
+    assert text.count("stablehlo.all_reduce") == 3
