@@ -13,7 +13,9 @@ Safety boundary (in the kernel and in the reference): for a consumed slot, a blo
 ``< 0`` or ``>= ceil(kv_len / 128)`` is replaced by block 0 before the block-table read and every
 key loaded for it is masked, so the online-softmax state is unchanged by it. The request row
 is clamped to ``[0, R)`` and the page id read from the block table to ``[0, N)`` before they
-form an address. Keys ``blk * 128 + i`` are valid iff ``< kv_len``.
+form an address. A block id ``>= P`` (beyond the block table's width, only possible when the
+table is narrower than ``kv_len`` needs) is treated like an out-of-range id: masked.
+Keys ``blk * 128 + i`` are valid iff ``< kv_len``.
 """
 from __future__ import annotations
 
@@ -100,16 +102,17 @@ def _check_tunable(name: str, fn: str, value: int, allowed) -> None:
 # Pure jax.numpy reference
 # --------------------------------------------------------------------------------------------
 
-def sanitize_selection(selected, kv_lens):
-    """The safety boundary. ``selected [T,Hkv,16]``, ``kv_lens [T]`` int32 ->
-    ``(blk [T,Hkv,16] int32 in [0, n_blocks) or 0, ok [T,Hkv,16] bool)``: ``ok`` is true for a
-    consumed slot (``slot < n_use``) holding a block id in ``[0, ceil(kv_len/128))``."""
+def sanitize_selection(selected, kv_lens, num_cols):
+    """The safety boundary. ``selected [T,Hkv,16]``, ``kv_lens [T]`` int32, block-table width
+    ``num_cols`` -> ``(blk [T,Hkv,16] int32, ok [T,Hkv,16] bool)``: ``ok`` is true for a consumed
+    slot (``slot < n_use``) holding a block id in ``[0, min(ceil(kv_len/128), num_cols))``;
+    ``blk`` is the id where ``ok`` and 0 elsewhere."""
     kv = jnp.maximum(kv_lens, 0)
     n_blocks = (kv + PAGE - 1) // PAGE
     n_use = jnp.minimum(n_blocks, TOPK)
     slot = jnp.arange(TOPK, dtype=jnp.int32)
     ok = ((slot[None, None, :] < n_use[:, None, None]) & (selected >= 0)
-          & (selected < n_blocks[:, None, None]))
+          & (selected < jnp.minimum(n_blocks, num_cols)[:, None, None]))
     return jnp.where(ok, selected, 0), ok
 
 
@@ -119,10 +122,10 @@ def sparse_decode_reference(q, kv_cache, selected, block_table, req_indices, kv_
 
     Returns ``(out [T,Hq,D] q.dtype, lse [T,Hq] f32)``; f32 math throughout.
     """
-    t, hq, d, n, hkv, r, _ = validate_inputs(q, kv_cache, selected, block_table, req_indices,
+    t, hq, d, n, hkv, r, p = validate_inputs(q, kv_cache, selected, block_table, req_indices,
                                              kv_lens, name="sparse_decode_reference")
     g = hq // hkv
-    blk, ok = sanitize_selection(selected, kv_lens)                     # [T,Hkv,16]
+    blk, ok = sanitize_selection(selected, kv_lens, p)                    # [T,Hkv,16]
     row = jnp.clip(req_indices, 0, r - 1)
     page = jnp.clip(block_table[row[:, None, None], blk], 0, n - 1)     # [T,Hkv,16]
     pages = kv_cache[page, jnp.arange(hkv)[None, :, None]]              # [T,Hkv,16,128,2D]
@@ -201,7 +204,7 @@ def merge_splits(o, lse):
 # --------------------------------------------------------------------------------------------
 
 def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_ref, *,
-                   slots_per_split, head_dim, num_pages, num_rows, scale_log2):
+                   slots_per_split, head_dim, num_pages, num_rows, num_cols, scale_log2):
     """One (token, kv head, split): ``q_ref [M,D]``, ``sel_ref [16]``, whole ``kv_ref``,
     ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D]``, ``lse_ref [M]``."""
     t = pl.program_id(0)
@@ -220,7 +223,7 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
     # the loop body holds no dependent scalar loads and its K/V loads can be pipelined.
     slot = jnp.arange(TOPK, dtype=jnp.int32)
     raw = sel_ref[...]                                    # [16]
-    ok_vec = (slot < n_use) & (raw >= 0) & (raw < n_blocks)
+    ok_vec = (slot < n_use) & (raw >= 0) & (raw < jnp.minimum(n_blocks, num_cols))
     blk_vec = jnp.where(ok_vec, raw, 0)                   # boundary: before the table read
     page_vec = jnp.clip(bt_ref[row, blk_vec], 0, num_pages - 1)
     ok_vec = ok_vec.astype(jnp.int32)
@@ -264,7 +267,7 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
       ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``; lse is the natural-log LSE of the scaled
       scores; rows without a visible key give zeros and -inf.
     """
-    t, hq, d, n, hkv, r, _ = validate_inputs(q, kv_cache, selected, block_table, req_indices,
+    t, hq, d, n, hkv, r, p = validate_inputs(q, kv_cache, selected, block_table, req_indices,
                                              kv_lens, name="sparse_decode")
     g = hq // hkv
     m_rows = padded_group(hq, hkv)
@@ -280,7 +283,7 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
     out_dtype = q.dtype if splits == 1 else jnp.float32
     kernel = functools.partial(_decode_kernel, slots_per_split=TOPK // splits, head_dim=d,
-                               num_pages=n, num_rows=r, scale_log2=float(scale) * LOG2E)
+                               num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     o, lse = pl.pallas_call(
         kernel,

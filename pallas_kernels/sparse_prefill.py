@@ -54,7 +54,7 @@ def tile_page_union(selected, kv_lens, req_rows, num_cols, tokens_per_tile):
     """
     tp, hkv, _ = selected.shape
     tiles = tp // tokens_per_tile
-    blk, ok = sanitize_selection(selected, kv_lens)
+    blk, ok = sanitize_selection(selected, kv_lens, num_cols)
     keys = jnp.where(ok, req_rows[:, None, None] * num_cols + blk, _NO_KEY)
     keys = keys.reshape(tiles, tokens_per_tile, hkv, TOPK).transpose(0, 2, 1, 3)
     keys = jnp.sort(keys.reshape(tiles, hkv, tokens_per_tile * TOPK), axis=-1)
@@ -87,7 +87,8 @@ def _prefill_kernel(row_ref, len_ref, cnt_ref, bt_ref, sel_ref, union_ref, q_ref
     n_use = jnp.minimum(n_blocks, TOPK)
     sel = sel_ref[...]                                                    # [TQ,16]
     slot = jnp.arange(TOPK, dtype=jnp.int32)
-    ok = ((slot[None, :] < n_use[:, None]) & (sel >= 0) & (sel < n_blocks[:, None]))
+    ok = ((slot[None, :] < n_use[:, None]) & (sel >= 0)
+          & (sel < jnp.minimum(n_blocks, num_cols)[:, None]))
     sel = jnp.where(ok, sel, -1)
     # row -> token expansion as a [rows, TQ] one-hot (no gathers in Triton)
     row_tok = jnp.arange(rows, dtype=jnp.int32) // group_rows

@@ -263,6 +263,26 @@ def test_minus_one_inside_consumed_range_equals_selection_without_it():
     chex.assert_trees_all_close(lse, ref_lse, atol=lse_atol, rtol=lse_atol)
 
 
+def test_ids_beyond_block_table_width_are_masked():
+    """kv_len needs 4 blocks but the table has 2 columns: ids 2, 3 are masked, not clamped."""
+    rng = np.random.default_rng(3)
+    kv = rng.standard_normal((5, 1, PAGE, 2 * 32)).astype(np.float32)
+    kv[4] = np.nan                                            # past the table's last page
+    q = jnp.asarray(np.repeat(rng.standard_normal((1, 16, 32)), 2, axis=0), jnp.float32)
+    sel = np.full((2, 1, TOPK), -1, np.int32)
+    sel[0, 0, :4] = [0, 1, 2, 3]
+    sel[1, 0, :2] = [0, 1]
+    args = (q, jnp.asarray(kv), jnp.asarray(sel), jnp.asarray([[3, 1]], jnp.int32),
+            jnp.zeros((2,), jnp.int32), jnp.full((2,), 4 * PAGE, jnp.int32))
+    out, lse = sparse_decode(*args, scale=0.2, interpret=INTERPRET)
+    ref_out, ref_lse = sparse_decode_reference(*args, scale=0.2)
+    atol, lse_atol = tolerances(jnp.float32)
+    chex.assert_tree_all_finite(out)
+    chex.assert_trees_all_close(out[0], out[1], atol=atol, rtol=atol)
+    chex.assert_trees_all_close(lse[0], lse[1], atol=lse_atol, rtol=lse_atol)
+    chex.assert_trees_all_close((out, lse), (ref_out, ref_lse), atol=atol, rtol=atol)
+
+
 def _small_args(**over):
     t, hq, hkv, d, n, r, p = 2, 16, 1, 32, 4, 2, 3
     args = dict(q=jnp.zeros((t, hq, d), jnp.float32),
