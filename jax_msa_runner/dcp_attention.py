@@ -42,6 +42,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_msa_runner.config import DCP_INTERLEAVE, MSA_TOPK, PAGE_SIZE, RunnerConfig
 from jax_msa_runner.dcp import dcp_local_seq_lens, rank_slot_mapping
+from jax_msa_runner.dense_attention import paged_causal_attention
+from jax_msa_runner.kv_cache import write_index_k, write_kv
 from jax_msa_runner.metadata import BatchMetadata
 from pallas_kernels.index_scores import msa_index_scores, msa_index_scores_reference
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
@@ -173,10 +175,20 @@ def unshard_paged_caches(shards: Sequence[np.ndarray], local_block_table: np.nda
 
 # ------------------------------------------------------------------------- cache writes
 
-def _page_offset(slots: jax.Array, num_pages: int) -> tuple[jax.Array, jax.Array]:
-    """Slot [T] -> (page, offset) [T]; slot -1 -> page num_pages (out of range: dropped)."""
-    page = jnp.where(slots >= 0, slots // PAGE_SIZE, num_pages)
-    return page, jnp.where(slots >= 0, slots % PAGE_SIZE, 0)
+def rank_write_caches(kv: jax.Array, index_k_cache: jax.Array | None, k: jax.Array,
+                      v: jax.Array, index_k: jax.Array | None, md: BatchMetadata,
+                      world_size: int) -> tuple[jax.Array, jax.Array | None]:
+    """Owner-only cache writes on this rank (call inside a shard_map over "dcp").
+
+    kv [N_local, Hkv, 128, 2D], index_k_cache [N_local, 128, Di] or None (dense layer);
+    k, v [T, Hkv, D], index_k [T, Di] or None; md: staged DCP metadata. Token t is written
+    iff the rank owns position t (``dcp.rank_slot_mapping``; slot -1 elsewhere).
+    """
+    slots = rank_slot_mapping(md, world_size, lax.axis_index(DCP_AXIS))
+    kv = write_kv(kv, k, v, slots)
+    if index_k_cache is not None:
+        index_k_cache = write_index_k(index_k_cache, index_k, slots)
+    return kv, index_k_cache
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
@@ -188,17 +200,13 @@ def dcp_write_caches(kv_shards: jax.Array, index_k_shards: jax.Array, k: jax.Arr
     kv_shards [W, N_local, Hkv, 128, 2D], index_k_shards [W, N_local, 128, Di] (sharded over
     "dcp"); k, v [T, Hkv, D] and index_k [T, Di] (replicated: every rank computed them);
     md: staged DCP metadata (``slot_mapping`` = owner slot). Rank d writes token t iff
-    ``(positions[t] // 128) % W == d`` (``dcp.rank_slot_mapping``). Returns the new shards.
+    ``(positions[t] // 128) % W == d``. Returns the new shards.
     """
     w = dcp_world_size(mesh)
+    _check_shards(kv_shards, index_k_shards, w)
 
     def per_rank(kv, ik, k, v, index_k, md):
-        rank = lax.axis_index(DCP_AXIS)
-        slots = rank_slot_mapping(md, w, rank)
-        page, off = _page_offset(slots, kv.shape[1])
-        kv_rows = jnp.concatenate([k, v], axis=-1).astype(kv.dtype)  # [T, Hkv, 2D]
-        kv = kv[0].at[page, :, off].set(kv_rows, mode="drop")
-        ik = ik[0].at[page, off].set(index_k.astype(ik.dtype), mode="drop")
+        kv, ik = rank_write_caches(kv[0], ik[0], k, v, index_k, md, w)
         return kv[None], ik[None]
 
     shard = P(DCP_AXIS)
@@ -316,6 +324,51 @@ def _rank_select(index_q, index_k, md, *, world_size, use_kernels, interpret, in
     return merge_candidates(vals, gids, world_size, rank)
 
 
+def local_kv_lens(md: BatchMetadata, world_size: int, rank) -> jax.Array:
+    """Visible keys of each token held by ``rank``: int32 [T] (0 on padding)."""
+    return jnp.where(md.token_mask, dcp_local_seq_lens(md.kv_lens, world_size, rank),
+                     0).astype(jnp.int32)
+
+
+def rank_msa_attention(q: jax.Array, index_q: jax.Array, kv: jax.Array, index_k: jax.Array,
+                       md: BatchMetadata, *, world_size: int, scale: float,
+                       use_kernels: bool = True, interpret: bool = False,
+                       init_blocks: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """DCP MSA attention of this rank (call inside a shard_map over "dcp").
+
+    q [T, Hq, D], index_q [T, Hkv, Di]: all tokens' queries (already gathered);
+    kv [N_local, Hkv, 128, 2D], index_k [N_local, 128, Di]: this rank's caches; md: staged
+    DCP metadata. Collectives: candidate all-gather, pmax/psum LSE merge.
+    Returns (out [T, Hq, D] q.dtype, lse [T, Hq] f32, selected [T, Hkv, 16] int32 global
+    ids), identical on every rank.
+    """
+    rank = lax.axis_index(DCP_AXIS)
+    glob, local = _rank_select(index_q, index_k, md, world_size=world_size,
+                               use_kernels=use_kernels, interpret=interpret,
+                               init_blocks=init_blocks)
+    decode_fn = (functools.partial(sparse_decode, interpret=interpret) if use_kernels
+                 else sparse_decode_reference)
+    out, lse = decode_fn(q, kv, local, md.block_table, md.req_indices,
+                         local_kv_lens(md, world_size, rank), scale=scale)
+    out, lse = lse_merge_across(out, lse)
+    return out.astype(q.dtype), lse, glob
+
+
+def rank_dense_attention(q: jax.Array, kv: jax.Array, md: BatchMetadata, *, world_size: int,
+                         scale: float) -> tuple[jax.Array, jax.Array]:
+    """DCP dense causal attention of this rank (dense layers; inside a shard_map over "dcp").
+
+    Rank-local ``paged_causal_attention`` over the local lengths (local positions keep the
+    global order, so the causal prefix stays a prefix), then the LSE merge.
+    q [T, Hq, D] (all tokens), kv [N_local, Hkv, 128, 2D]. Returns (out q.dtype, lse f32).
+    """
+    out, lse = paged_causal_attention(q, kv, md.block_table, md.req_indices,
+                                      local_kv_lens(md, world_size,
+                                                    lax.axis_index(DCP_AXIS)), scale=scale)
+    out, lse = lse_merge_across(out, lse)
+    return out.astype(q.dtype), lse
+
+
 def _gather_tokens(x: jax.Array, num_tokens: int) -> jax.Array:
     """All-gather a token-sharded [T_pad / W, ...] block to [T, ...] (padding dropped)."""
     return lax.all_gather(x, DCP_AXIS, axis=0, tiled=True)[:num_tokens]
@@ -331,7 +384,8 @@ def _check_shards(kv_shards, index_k_shards, world_size: int) -> None:
     if kv_shards is not None and (kv_shards.ndim != 5 or kv_shards.shape[0] != world_size):
         raise DCPError(f"kv_shards: expected [W={world_size}, N_local, Hkv, 128, 2D], "
                        f"got shape {kv_shards.shape}")
-    if index_k_shards.ndim != 4 or index_k_shards.shape[0] != world_size:
+    if index_k_shards is not None and (index_k_shards.ndim != 4
+                                       or index_k_shards.shape[0] != world_size):
         raise DCPError(f"index_k_shards: expected [W={world_size}, N_local, 128, Di], "
                        f"got shape {index_k_shards.shape}")
 
@@ -389,25 +443,39 @@ def dcp_msa_attention(q: jax.Array, index_q: jax.Array, kv_shards: jax.Array,
     w = dcp_world_size(mesh)
     _check_shards(kv_shards, index_k_shards, w)
     t = q.shape[0]
-    decode_fn = (functools.partial(sparse_decode, interpret=interpret) if use_kernels
-                 else sparse_decode_reference)
 
     def per_rank(q, iq, kv, ik, md):
-        rank = lax.axis_index(DCP_AXIS)
-        q, iq = _gather_tokens(q, t), _gather_tokens(iq, t)
-        glob, local = _rank_select(iq, ik[0], md, world_size=w, use_kernels=use_kernels,
-                                   interpret=interpret, init_blocks=init_blocks)
-        local_kv = jnp.where(md.token_mask, dcp_local_seq_lens(md.kv_lens, w, rank), 0)
-        out, lse = decode_fn(q, kv[0], local, md.block_table, md.req_indices,
-                             local_kv.astype(jnp.int32), scale=scale)
-        out, lse = lse_merge_across(out, lse)
-        return out.astype(q.dtype), lse, glob
+        return rank_msa_attention(_gather_tokens(q, t), _gather_tokens(iq, t), kv[0], ik[0], md,
+                                  world_size=w, scale=scale, use_kernels=use_kernels,
+                                  interpret=interpret, init_blocks=init_blocks)
 
     shard = P(DCP_AXIS)
     return jax.shard_map(per_rank, mesh=mesh, in_specs=(shard, shard, shard, shard, P()),
                          out_specs=(P(), P(), P()), check_vma=False,
                          )(_pad_tokens(q, w), _pad_tokens(index_q, w), kv_shards,
                            index_k_shards, md)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "scale"))
+def dcp_dense_attention(q: jax.Array, kv_shards: jax.Array, md: BatchMetadata, mesh: Mesh, *,
+                        scale: float) -> tuple[jax.Array, jax.Array]:
+    """Dense causal attention with the context split over the "dcp" ranks.
+
+    q [T, Hq, D] (token-sharded on entry, all-gathered); kv_shards [W, N_local, Hkv, 128, 2D];
+    md: staged DCP metadata. Returns (out [T, Hq, D] q.dtype, lse [T, Hq] f32), replicated;
+    equal to ``paged_causal_attention`` on the global cache.
+    """
+    w = dcp_world_size(mesh)
+    _check_shards(kv_shards, None, w)
+    t = q.shape[0]
+
+    def per_rank(q, kv, md):
+        return rank_dense_attention(_gather_tokens(q, t), kv[0], md, world_size=w, scale=scale)
+
+    shard = P(DCP_AXIS)
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=(shard, shard, P()),
+                         out_specs=(P(), P()), check_vma=False,
+                         )(_pad_tokens(q, w), kv_shards, md)
 
 
 class DCPAttention(NamedTuple):
@@ -444,7 +512,8 @@ def make_dcp_attention(config: RunnerConfig, *, scale: float, interpret: bool = 
 __all__ = [
     "DCP_AXIS", "DCPError", "DCPAttention", "make_dcp_mesh", "mesh_for_config",
     "dcp_world_size", "check_config_mesh", "shard_to_mesh", "shard_paged_caches",
-    "unshard_paged_caches", "dcp_write_caches", "local_query_positions",
+    "unshard_paged_caches", "rank_write_caches", "dcp_write_caches", "local_query_positions",
+    "local_kv_lens", "rank_msa_attention", "rank_dense_attention", "dcp_dense_attention",
     "prepare_global_scores", "local_candidates", "merge_candidates", "lse_merge_across",
     "dcp_index_select", "dcp_msa_attention", "make_dcp_attention",
 ]

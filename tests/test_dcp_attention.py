@@ -15,8 +15,10 @@ import pytest
 
 from jax_msa_runner.config import ConfigError, RunnerConfig
 from jax_msa_runner.dcp import dcp_owner
+from jax_msa_runner.dense_attention import paged_causal_attention
 from jax_msa_runner.dcp_attention import (
-    DCPError, check_config_mesh, dcp_index_select, dcp_msa_attention, dcp_write_caches,
+    DCPError, check_config_mesh, dcp_dense_attention, dcp_index_select, dcp_msa_attention,
+    dcp_write_caches,
     make_dcp_attention, make_dcp_mesh, merge_candidates, shard_paged_caches, shard_to_mesh,
     unshard_paged_caches)
 from jax_msa_runner.staging import stage_batch, stage_dummy_batch
@@ -189,6 +191,27 @@ def test_dcp_dummy_batches_stage_and_run(kind, world_size, ctx, lens):
                              use_kernels=False)
     single = msa_attention_reference(q, iq, kv, ik, md1, scale=SCALE)
     _assert_same(single, dist, md1, jnp.float32)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dense_layers_match_single_device(world_size):
+    """Dense causal attention (the dense layers) split over the ranks == one device."""
+    rng = np.random.default_rng(50 + world_size)
+    sched, comp = _random_rows(rng)
+    seq = sched + comp
+    gbt = _global_table(rng, seq)
+    md1 = stage_batch(sched, comp, gbt, _config(1))
+    kv, ik, q, _ = _inputs(rng, N_GLOBAL, md1.num_tokens_padded, jnp.float32)
+    (kvs,), lbt = shard_paged_caches([kv], gbt, seq, world_size, num_local_pages=N_LOCAL)
+    mdw = stage_batch(sched, comp, lbt, _config(world_size))
+    mesh = make_dcp_mesh(world_size)
+    out, lse = dcp_dense_attention(q, shard_to_mesh(jnp.asarray(kvs), mesh), mdw, mesh,
+                                   scale=SCALE)
+    ref_out, ref_lse = paged_causal_attention(jnp.asarray(q), jnp.asarray(kv), md1.block_table,
+                                              md1.req_indices, md1.kv_lens, scale=SCALE)
+    mask = np.asarray(md1.token_mask)
+    chex.assert_trees_all_close(np.asarray(out)[mask], np.asarray(ref_out)[mask], **F32_TOL)
+    chex.assert_trees_all_close(np.asarray(lse)[mask], np.asarray(ref_lse)[mask], **LSE_TOL)
 
 
 def test_cache_writes_land_only_on_the_owning_rank():
