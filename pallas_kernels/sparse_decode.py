@@ -55,6 +55,13 @@ def default_num_splits(num_programs: int) -> int:
     return splits
 
 
+def default_num_stages(dtype, head_dim: int) -> int:
+    """Pipeline depth whose K+V page buffers (``stages * 128 * 2D * itemsize``) stay within
+    ~160 KiB of the H200's 227 KiB shared memory: bf16 D=128 -> 2, f32 D=128 -> 1, at most 3."""
+    page_bytes = PAGE * 2 * head_dim * jnp.dtype(dtype).itemsize
+    return max(1, min(3, (160 * 1024) // page_bytes))
+
+
 def validate_inputs(q, kv_cache, selected, block_table, req_indices, kv_lens, *, name: str):
     """Raise ``ValueError``/``TypeError`` naming the argument and bound; returns the geometry.
 
@@ -251,7 +258,7 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_warps",
                                              "num_stages"))
 def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
-                  interpret=False, num_splits=None, num_warps=4, num_stages=2):
+                  interpret=False, num_splits=None, num_warps=4, num_stages=None):
     """MSA sparse decode (spec section 4) with the kernel safety boundary.
 
     Args:
@@ -262,7 +269,8 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
       kv_lens: ``[T]`` int32 visible keys per token (0 = padded row).
       scale: softmax scale (static). interpret: Pallas interpret mode (CPU).
       num_splits: split-K factor in {1, 2, 4, 8, 16}; default fills 132 SMs from T * Hkv.
-      num_warps, num_stages: Triton launch tunables.
+      num_warps, num_stages: Triton launch tunables; num_stages defaults to
+        :func:`default_num_stages` (2 for bf16 D=128, 1 for f32 D=128).
     Returns:
       ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``; lse is the natural-log LSE of the scaled
       scores; rows without a visible key give zeros and -inf.
@@ -274,6 +282,7 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     splits = default_num_splits(t * hkv) if num_splits is None else num_splits
     _check_tunable("num_splits", "sparse_decode", splits, (1, 2, 4, 8, 16))
     _check_tunable("num_warps", "sparse_decode", num_warps, (1, 2, 4, 8, 16))
+    num_stages = default_num_stages(q.dtype, d) if num_stages is None else num_stages
     _check_tunable("num_stages", "sparse_decode", num_stages, (1, 2, 3, 4, 5, 6))
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
@@ -316,4 +325,4 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
 
 __all__ = ["sparse_decode", "sparse_decode_reference", "sanitize_selection", "merge_splits",
            "online_softmax_step", "finalize", "validate_inputs", "padded_group",
-           "default_num_splits", "PAGE", "TOPK"]
+           "default_num_splits", "default_num_stages", "PAGE", "TOPK"]

@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.sparse_decode import (
-    LOG2E, MASK, PAGE, TOPK, _check_tunable, default_num_splits, finalize, merge_splits,
-    online_softmax_step, padded_group, sanitize_selection, sparse_decode_reference,
+    LOG2E, MASK, PAGE, TOPK, _check_tunable, default_num_splits, default_num_stages, finalize,
+    merge_splits, online_softmax_step, padded_group, sanitize_selection, sparse_decode_reference,
     validate_inputs)
 
 MAX_TILE_ROWS = 256  # tokens_per_tile * padded group: accumulator rows of one program
@@ -69,8 +69,8 @@ def _prefill_kernel(row_ref, len_ref, cnt_ref, bt_ref, sel_ref, union_ref, q_ref
                     o_ref, lse_ref, *, num_splits, head_dim, num_pages, num_rows, num_cols,
                     group_rows, scale_log2):
     """One (tile, kv head, split): ``row_ref, len_ref [TQ]``, ``sel_ref [TQ,16]``,
-    ``union_ref [TQ*16]``, ``q_ref [TQ,G,D]``, whole ``kv_ref``/``bt_ref``/``cnt_ref``;
-    writes ``o_ref [TQ,G,D]``, ``lse_ref [TQ,G]``."""
+    ``union_ref [TQ*16]``, ``q_ref [TQ*G,D]`` (token-major rows), whole
+    ``kv_ref``/``bt_ref``/``cnt_ref``; writes ``o_ref [TQ*G,D]``, ``lse_ref [TQ*G]``."""
     tile = pl.program_id(0)
     h = pl.program_id(1)
     split = pl.program_id(2)
@@ -95,7 +95,7 @@ def _prefill_kernel(row_ref, len_ref, cnt_ref, bt_ref, sel_ref, union_ref, q_ref
     onehot = row_tok[:, None] == jnp.arange(tq, dtype=jnp.int32)[None, :]
     row_len = jnp.sum(jnp.where(onehot, tok_len[None, :], 0), axis=1)    # [rows]
     keys = jnp.arange(PAGE, dtype=jnp.int32)
-    q = q_ref[...].reshape(rows, head_dim)
+    q = q_ref[...]                                                        # [rows, D]
     # The whole union at once, outside the loop: clamp, then one gather of its page ids.
     ukey = jnp.clip(union_ref[...], 0, num_rows * num_cols - 1)         # [TQ*16]
     urow = ukey // num_cols
@@ -122,15 +122,15 @@ def _prefill_kernel(row_ref, len_ref, cnt_ref, bt_ref, sel_ref, union_ref, q_ref
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(0, n_iter, body, init)
     out, lse = finalize(acc, m, l)
-    o_ref[...] = out.reshape(tq, group_rows, head_dim).astype(o_ref.dtype)
-    lse_ref[...] = lse.reshape(tq, group_rows)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "tokens_per_tile",
                                              "num_splits", "num_warps", "num_stages"))
 def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
-                   interpret=False, tokens_per_tile=4, num_splits=None, num_warps=4,
-                   num_stages=2):
+                   interpret=False, tokens_per_tile=4, num_splits=None, num_warps=None,
+                   num_stages=None):
     """MSA sparse prefill: :func:`sparse_decode` semantics, page loads shared by a token tile.
 
     Args:
@@ -141,7 +141,8 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
       scale: softmax scale (static). interpret: Pallas interpret mode (CPU).
       tokens_per_tile: consecutive tokens per program (power of two; rows = TQ * padded group
         <= 256). num_splits: split of a tile's page union in {1, 2, 4, 8, 16}; default fills
-        132 SMs. num_warps, num_stages: Triton tunables.
+        132 SMs. num_warps (default 4 up to 64 rows, else 8), num_stages (default
+        :func:`~pallas_kernels.sparse_decode.default_num_stages`): Triton tunables.
     Returns:
       ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``; rows without a visible key give 0 / -inf.
     """
@@ -158,6 +159,8 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
     tiles = -(-t // tq)
     splits = default_num_splits(tiles * hkv) if num_splits is None else num_splits
     _check_tunable("num_splits", "sparse_prefill", splits, (1, 2, 4, 8, 16))
+    num_warps = (4 if tq * gp <= 64 else 8) if num_warps is None else num_warps
+    num_stages = default_num_stages(q.dtype, d) if num_stages is None else num_stages
     _check_tunable("num_warps", "sparse_prefill", num_warps, (1, 2, 4, 8, 16))
     _check_tunable("num_stages", "sparse_prefill", num_stages, (1, 2, 3, 4, 5, 6))
     if t == 0:
@@ -170,6 +173,8 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
     lens = jnp.pad(kv_lens, (0, pad_t))                                   # padded tokens: 0
     sel = jnp.pad(selected, ((0, pad_t), (0, 0), (0, 0)), constant_values=-1)
     qg = jnp.pad(q.reshape(t, hkv, g, d), ((0, pad_t), (0, 0), (0, gp - g), (0, 0)))
+    # [tiles, Hkv, TQ*G, D]: a tile's rows token-major (a pure reshape when Hkv == 1)
+    qg = qg.reshape(tiles, tq, hkv, gp, d).transpose(0, 2, 1, 3, 4).reshape(tiles, hkv, tq * gp, d)
     union, count = tile_page_union(sel, lens, rows, p, tq)
 
     out_dtype = q.dtype if splits == 1 else jnp.float32
@@ -187,15 +192,15 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
             whole(block_table.shape),                                          # block_table
             pl.BlockSpec((tq, None, TOPK), lambda i, h, s: (i, h, 0)),         # selected
             pl.BlockSpec((None, None, tq * TOPK), lambda i, h, s: (i, h, 0)),  # union keys
-            pl.BlockSpec((tq, None, gp, d), lambda i, h, s: (i, h, 0, 0)),     # q
+            pl.BlockSpec((None, None, tq * gp, d), lambda i, h, s: (i, h, 0, 0)),  # q
             whole(kv_cache.shape),                                             # kv_cache
         ],
         out_specs=[
-            pl.BlockSpec((None, tq, None, gp, d), lambda i, h, s: (s, i, h, 0, 0)),
-            pl.BlockSpec((None, tq, None, gp), lambda i, h, s: (s, i, h, 0)),
+            pl.BlockSpec((None, None, None, tq * gp, d), lambda i, h, s: (s, i, h, 0, 0)),
+            pl.BlockSpec((None, None, None, tq * gp), lambda i, h, s: (s, i, h, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((splits, tp, hkv, gp, d), out_dtype),
-                   jax.ShapeDtypeStruct((splits, tp, hkv, gp), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((splits, tiles, hkv, tq * gp, d), out_dtype),
+                   jax.ShapeDtypeStruct((splits, tiles, hkv, tq * gp), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="msa_sparse_prefill",
@@ -204,6 +209,8 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
         o, lse = o[0], lse[0]
     else:
         o, lse = merge_splits(o, lse)
+    o = o.reshape(tiles, hkv, tq, gp, d).transpose(0, 2, 1, 3, 4).reshape(tp, hkv, gp, d)
+    lse = lse.reshape(tiles, hkv, tq, gp).transpose(0, 2, 1, 3).reshape(tp, hkv, gp)
     out = o[:t, :, :g].reshape(t, hq, d).astype(q.dtype)
     return out, lse[:t, :, :g].reshape(t, hq)
 

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels._lowering import lower_for_cuda, triton_calls
-from pallas_kernels.sparse_decode import PAGE, TOPK, default_num_splits, sparse_decode
+from pallas_kernels.sparse_decode import (PAGE, TOPK, default_num_splits, default_num_stages,
+                                          sparse_decode)
 from pallas_kernels.sparse_prefill import sparse_prefill
 
 D = 128
@@ -29,7 +30,13 @@ def test_sparse_decode_lowers_for_h200(hq, hkv, batch):
     splits = default_num_splits(batch * hkv)
     assert (calls[0]["grid_x"], calls[0]["grid_y"], calls[0]["grid_z"]) == (batch, hkv, splits)
     assert batch * hkv * splits >= min(132, batch * hkv * TOPK)
-    assert (calls[0]["num_warps"], calls[0]["num_stages"]) == (4, 2)
+    assert (calls[0]["num_warps"], calls[0]["num_stages"]) == (4, 2)  # 2 x 64 KiB K+V buffers
+
+
+def test_default_stages_fit_shared_memory():
+    assert default_num_stages(jnp.bfloat16, 128) == 2
+    assert default_num_stages(jnp.float32, 128) == 1
+    assert default_num_stages(jnp.bfloat16, 64) == 3
 
 
 def test_sparse_decode_tunables_reach_triton():
