@@ -27,12 +27,23 @@ restricted to one rank is its local order), so the result equals the single-devi
 ``pallas_kernels.msa_attention`` on the same global caches.
 
 Cache writes: ``dcp_write_caches`` writes each token only on its owning rank
-(``dcp.rank_slot_mapping``: slot -1 on every other rank).
+(``dcp.rank_slot_mapping``: slot -1 on every other rank). Dense layers: rank-local paged
+causal attention over the local lengths + the same LSE merge (``dcp_dense_attention``).
+
+Two levels of API:
+  * rank level, for a caller that already runs inside ``jax.shard_map`` over "dcp" (a
+    runner step): ``rank_write_caches``, ``rank_msa_attention``, ``rank_dense_attention``
+    (queries already gathered, rank-local caches, collectives inside);
+  * array level (jitted, own shard_map, static mesh): ``dcp_write_caches``,
+    ``dcp_index_select``, ``dcp_msa_attention``, ``dcp_dense_attention``; per-rank caches
+    are stacks [W, N_local, ...] sharded over "dcp" (``shard_to_mesh``).
+The shard_maps run with ``check_vma=False``: the Pallas calls and the dense fori_loop carry
+no varying-axis types; replicated outputs come from pmax/psum/all_gather results only.
 """
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -482,15 +493,16 @@ class DCPAttention(NamedTuple):
     """What a runner needs to serve one MSA layer with DCP (built by ``make_dcp_attention``).
 
     mesh: the "dcp" mesh. attend(q, index_q, kv_shards, index_k_shards, md) ->
-    (out, lse, selected) as ``dcp_msa_attention``. write(kv_shards, index_k_shards, k, v,
-    index_k, md) -> new shards (owner-only writes). place(stacked [W, ...]) -> the stack
-    sharded over the mesh.
+    (out, lse, selected) as ``dcp_msa_attention``. dense(q, kv_shards, md) -> (out, lse)
+    as ``dcp_dense_attention``. write(kv_shards, index_k_shards, k, v, index_k, md) -> new
+    shards (owner-only writes). place(stacked [W, ...]) -> the stack sharded over the mesh.
     """
 
     mesh: Mesh
-    attend: callable
-    write: callable
-    place: callable
+    attend: Callable
+    dense: Callable
+    write: Callable
+    place: Callable
 
 
 def make_dcp_attention(config: RunnerConfig, *, scale: float, interpret: bool = False,
@@ -503,10 +515,12 @@ def make_dcp_attention(config: RunnerConfig, *, scale: float, interpret: bool = 
     """
     mesh = mesh_for_config(config, devices)
     check_config_mesh(config, mesh)
-    attend = functools.partial(dcp_msa_attention, mesh=mesh, scale=scale, interpret=interpret)
-    write = functools.partial(dcp_write_caches, mesh=mesh)
-    place = functools.partial(shard_to_mesh, mesh=mesh)
-    return DCPAttention(mesh=mesh, attend=attend, write=write, place=place)
+    return DCPAttention(
+        mesh=mesh,
+        attend=functools.partial(dcp_msa_attention, mesh=mesh, scale=scale, interpret=interpret),
+        dense=functools.partial(dcp_dense_attention, mesh=mesh, scale=scale),
+        write=functools.partial(dcp_write_caches, mesh=mesh),
+        place=functools.partial(shard_to_mesh, mesh=mesh))
 
 
 __all__ = [

@@ -16,6 +16,7 @@ import pytest
 from jax_msa_runner.config import ConfigError, RunnerConfig
 from jax_msa_runner.dcp import dcp_owner
 from jax_msa_runner.dense_attention import paged_causal_attention
+from jax_msa_runner.kv_cache import write_kv
 from jax_msa_runner.dcp_attention import (
     DCPError, check_config_mesh, dcp_dense_attention, dcp_index_select, dcp_msa_attention,
     dcp_write_caches,
@@ -249,6 +250,41 @@ def test_cache_writes_land_only_on_the_owning_rank():
         page = gbt[req[i], pos[i] // PAGE]
         chex.assert_trees_all_equal(kv[page, :, pos[i] % PAGE, :D], k[i])
         chex.assert_trees_all_equal(ik[page, pos[i] % PAGE], index_k[i])
+
+
+def test_serving_entry_point_write_then_attend():
+    """make_dcp_attention: place per-rank caches, write a step's K/V (owner only), attend
+    (dense layer path) == one device writing the same K/V into the global view."""
+    world_size = 2
+    cfgw, cfg1 = _config(world_size), _config(1)
+    dcp = make_dcp_attention(cfgw, scale=SCALE)
+    rng = np.random.default_rng(9)
+    sched, comp = np.array([1, 2, 3]), np.array([300, 0, 1500])
+    seq = sched + comp
+    lbt = 1 + rng.permutation(N_LOCAL - 1)[:3 * 6].reshape(3, 6)
+    mdw = stage_batch(sched, comp, lbt, cfgw)
+    validate_metadata(mdw, cfgw)
+    kvs = rng.standard_normal((world_size, N_LOCAL, HKV, PAGE, 2 * D)).astype(np.float32)
+    (kv,), gbt = unshard_paged_caches([kvs], lbt, seq, world_size, MAX_PAGES)
+    md1 = stage_batch(sched, comp, gbt, cfg1)
+    t = mdw.num_tokens_padded
+    k, v, q = (jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+               for shape in ((t, HKV, D), (t, HKV, D), (t, HQ, D)))
+    new_kvs, _ = dcp.write(dcp.place(jnp.asarray(kvs)),
+                           dcp.place(jnp.zeros((world_size, N_LOCAL, PAGE, DI))), k, v,
+                           jnp.zeros((t, DI)), mdw)
+    out, lse = dcp.dense(q, new_kvs, mdw)
+    new_kv = write_kv(jnp.asarray(kv), k, v, md1.slot_mapping)
+    ref_out, ref_lse = paged_causal_attention(q, new_kv, md1.block_table, md1.req_indices,
+                                              md1.kv_lens, scale=SCALE)
+    mask = np.asarray(md1.token_mask)
+    chex.assert_trees_all_close(np.asarray(out)[mask], np.asarray(ref_out)[mask], **F32_TOL)
+    chex.assert_trees_all_close(np.asarray(lse)[mask], np.asarray(ref_lse)[mask], **LSE_TOL)
+    # the written caches are the sharding of the single device's written cache
+    (round_trip,), _ = unshard_paged_caches([np.asarray(new_kvs)], lbt, seq, world_size,
+                                            MAX_PAGES)
+    for r, n in enumerate(-(-seq // PAGE)):
+        chex.assert_trees_all_equal(round_trip[gbt[r, :n]], np.asarray(new_kv)[gbt[r, :n]])
 
 
 def test_shard_unshard_round_trip():
