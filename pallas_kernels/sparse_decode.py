@@ -84,7 +84,8 @@ def validate_inputs(q, kv_cache, selected, block_table, req_indices, kv_lens, *,
          f"q heads Hq = {hq} must be a multiple of kv_cache heads Hkv = {hkv}")
     need(padded_group(hq, hkv) <= MAX_GROUP_ROWS,
          f"GQA group Hq/Hkv = {hq // hkv} exceeds {MAX_GROUP_ROWS} rows per program")
-    need(jnp.dtype(q.dtype) in _FLOATS, f"q dtype must be bf16, f16 or f32, got {q.dtype}", TypeError)
+    need(jnp.dtype(q.dtype) in _FLOATS, f"q dtype must be bf16, f16 or f32, got {q.dtype}",
+         TypeError)
     need(kv_cache.dtype == q.dtype,
          f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}", TypeError)
     need(selected.shape == (t, hkv, TOPK),
@@ -145,9 +146,9 @@ def sparse_decode_reference(q, kv_cache, selected, block_table, req_indices, kv_
     s = jnp.where(valid[:, :, None], s, -jnp.inf)
     m = jnp.max(s, axis=(-2, -1), keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(valid[:, :, None], jnp.exp(s - m_safe), 0.0)
-    l = jnp.sum(p, axis=(-2, -1))                                        # [T,Hkv,G]
-    o = jnp.einsum("thgsk,thskd->thgd", p, jnp.where(valid[..., None], v, 0.0),
+    prob = jnp.where(valid[:, :, None], jnp.exp(s - m_safe), 0.0)
+    l = jnp.sum(prob, axis=(-2, -1))                                     # [T,Hkv,G]
+    o = jnp.einsum("thgsk,thskd->thgd", prob, jnp.where(valid[..., None], v, 0.0),
                    precision="highest")
     out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     lse = jnp.where(l > 0, m_safe[..., 0, 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
@@ -162,7 +163,7 @@ def online_softmax_step(carry, q, k, v, key_ok, scale_log2, row_weight=None):
     """One page of the online softmax (base 2, finite mask, masked V).
 
     carry ``(acc [M,D] f32, m [M] f32, l [M] f32)``; ``q [M,D]``, ``k, v [128,D]`` (input dtype);
-    ``key_ok [M,128]`` bool; ``row_weight [M] f32`` (optional) multiplies the row's
+    ``key_ok [M,128]`` or ``[1,128]`` bool; ``row_weight [M] f32`` (optional) multiplies the row's
     probabilities (a page selected twice counts twice).
     """
     acc, m, l = carry
@@ -183,7 +184,8 @@ def online_softmax_step(carry, q, k, v, key_ok, scale_log2, row_weight=None):
 
 
 def finalize(acc, m, l):
-    """Normalised output and natural-log LSE of a finished softmax state; empty rows -> (0, -inf)."""
+    """Normalised output and natural-log LSE of a finished softmax state ``(acc [M,D], m [M],
+    l [M])``; rows without a visible key give ``(0, -inf)``."""
     nonempty = l > 0
     l_safe = jnp.where(nonempty, l, 1.0)
     out = jnp.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
@@ -242,8 +244,7 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
         ok = jnp.sum(jnp.where(pick, ok_vec, 0)) > 0
         k = kv_ref[page, h, :, pl.ds(0, head_dim)]
         v = kv_ref[page, h, :, pl.ds(head_dim, head_dim)]
-        key_ok = ok & (blk * PAGE + keys < kv_len)        # [128]
-        key_ok = jnp.broadcast_to(key_ok[None, :], (rows, PAGE))
+        key_ok = (ok & (blk * PAGE + keys < kv_len))[None, :]   # [1,128]: same for all rows
         return online_softmax_step(carry, q, k, v, key_ok, scale_log2)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32),
@@ -292,7 +293,8 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
     out_dtype = q.dtype if splits == 1 else jnp.float32
     kernel = functools.partial(_decode_kernel, slots_per_split=TOPK // splits, head_dim=d,
-                               num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E)
+                               num_pages=n, num_rows=r, num_cols=p,
+                               scale_log2=float(scale) * LOG2E)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     o, lse = pl.pallas_call(
         kernel,

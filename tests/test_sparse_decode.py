@@ -263,24 +263,36 @@ def test_minus_one_inside_consumed_range_equals_selection_without_it():
     chex.assert_trees_all_close(lse, ref_lse, atol=lse_atol, rtol=lse_atol)
 
 
-def test_ids_beyond_block_table_width_are_masked():
-    """kv_len needs 4 blocks but the table has 2 columns: ids 2, 3 are masked, not clamped."""
+def test_small_group_and_ids_beyond_block_table_width():
+    """GQA group 4 (Hq 8, Hkv 2: padded to 16 dot rows), and kv_len needing 4 blocks while the
+    table has 2 columns: ids 2, 3 are masked (never clamped onto a page), so token 0 with
+    [0, 1, 2, 3] equals token 1 with [0, 1]."""
+    from pallas_kernels.sparse_prefill import sparse_prefill
     rng = np.random.default_rng(3)
-    kv = rng.standard_normal((5, 1, PAGE, 2 * 32)).astype(np.float32)
+    kv = rng.standard_normal((5, 2, PAGE, 2 * 32)).astype(np.float32)
     kv[4] = np.nan                                            # past the table's last page
-    q = jnp.asarray(np.repeat(rng.standard_normal((1, 16, 32)), 2, axis=0), jnp.float32)
-    sel = np.full((2, 1, TOPK), -1, np.int32)
-    sel[0, 0, :4] = [0, 1, 2, 3]
-    sel[1, 0, :2] = [0, 1]
+    q = jnp.asarray(np.repeat(rng.standard_normal((1, 8, 32)), 2, axis=0), jnp.float32)
+    sel = np.full((2, 2, TOPK), -1, np.int32)
+    sel[0, :, :4] = [0, 1, 2, 3]
+    sel[1, :, :2] = [0, 1]
     args = (q, jnp.asarray(kv), jnp.asarray(sel), jnp.asarray([[3, 1]], jnp.int32),
             jnp.zeros((2,), jnp.int32), jnp.full((2,), 4 * PAGE, jnp.int32))
-    out, lse = sparse_decode(*args, scale=0.2, interpret=INTERPRET)
-    ref_out, ref_lse = sparse_decode_reference(*args, scale=0.2)
-    atol, lse_atol = tolerances(jnp.float32)
-    chex.assert_tree_all_finite(out)
-    chex.assert_trees_all_close(out[0], out[1], atol=atol, rtol=atol)
-    chex.assert_trees_all_close(lse[0], lse[1], atol=lse_atol, rtol=lse_atol)
-    chex.assert_trees_all_close((out, lse), (ref_out, ref_lse), atol=atol, rtol=atol)
+    ref = sparse_decode_reference(*args, scale=0.2)
+    atol, _ = tolerances(jnp.float32)
+    for fn in (sparse_decode, sparse_prefill):
+        out, lse = fn(*args, scale=0.2, interpret=INTERPRET)
+        chex.assert_shape((out, lse), ((2, 8, 32), (2, 8)))
+        chex.assert_tree_all_finite((out, lse))
+        chex.assert_trees_all_close(out[0], out[1], atol=atol, rtol=atol)
+        chex.assert_trees_all_close(lse[0], lse[1], atol=atol, rtol=atol)
+        chex.assert_trees_all_close((out, lse), ref, atol=atol, rtol=atol)
+    # and the page set really is {3, 1}: dense attention over the 256 keys of pages 3 and 1
+    k = np.concatenate([kv[3], kv[1]], axis=1)                # [Hkv, 256, 2D]
+    qn = np.asarray(q[0]).reshape(2, 4, 32)
+    s = np.einsum("hgd,hkd->hgk", qn, k[..., :32]) * 0.2
+    p = np.exp(s - s.max(-1, keepdims=True))
+    dense = np.einsum("hgk,hkd->hgd", p / p.sum(-1, keepdims=True), k[..., 32:])
+    np.testing.assert_allclose(np.asarray(out[0]).reshape(2, 4, 32), dense, atol=atol, rtol=atol)
 
 
 def _small_args(**over):
