@@ -259,28 +259,27 @@ def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int) -> list[dict
     x = make_inputs(shape, seed)
     selected = jax.block_until_ready(jax.jit(our_indexer)(x))
     rows = []
-    for splits in (1, 2, 4, 8):
+    def timed(kernel, f, args, kw):
+        try:
+            t = statistics.median(time_jax(f, args, reps=reps, trials=trials))
+            rows.append({"kernel": kernel, **kw, "us": round(t * 1e6, 2)})
+        except Exception as e:  # e.g. a configuration that exceeds shared memory
+            rows.append({"kernel": kernel, **kw, "err": repr(e)[:200]})
+
+    for splits in (1, 2, 4):
         for warps in (4, 8):
-            for stages in (2, 3, 4):
+            for stages in (1, 2, 3):
                 kw = dict(num_splits=splits, num_warps=warps, num_stages=stages)
-                f = jax.jit(lambda x, sel, kw=kw: sparse_decode(
+                timed("decode", jax.jit(lambda x, sel, kw=kw: sparse_decode(
                     x["q"], x["kv"], sel, x["block_table"], x["req_indices"], x["kv_lens"],
-                    scale=HEAD_DIM ** -0.5, **kw))
-                t = statistics.median(time_jax(f, (x, selected), reps=reps, trials=trials))
-                rows.append({"kernel": "decode", **kw, "us": round(t * 1e6, 2)})
-    for ppp in (1, 2, 4, 8, 16, 32):
-        for warps in (2, 4, 8):
-            for stages in (2, 3, 4):
+                    scale=HEAD_DIM ** -0.5, **kw)), (x, selected), kw)
+    for ppp in (4, 8, 16, 32):
+        for warps in (4, 8):
+            for stages in (2, 3):
                 kw = dict(pages_per_program=ppp, num_warps=warps, num_stages=stages)
-                f = jax.jit(lambda x, kw=kw: msa_index_scores(
+                timed("index_scores", jax.jit(lambda x, kw=kw: msa_index_scores(
                     x["index_q"], x["index_k"], x["block_table"], x["req_indices"],
-                    x["positions"], **kw))
-                try:
-                    t = statistics.median(time_jax(f, (x,), reps=reps, trials=trials))
-                except Exception as e:  # an invalid combination for this shape
-                    rows.append({"kernel": "index_scores", **kw, "err": repr(e)[:200]})
-                    continue
-                rows.append({"kernel": "index_scores", **kw, "us": round(t * 1e6, 2)})
+                    x["positions"], **kw)), (x,), kw)
     del x
     return rows
 
