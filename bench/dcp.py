@@ -10,6 +10,8 @@ decode batch twice (dcp_world_size 1 and W) and runs
     rank-local sparse decode, LSE merge with pmax/psum).
 Equality (compiled kernels): selected global block ids identical, out within the bf16
 tolerance of tests/test_dcp_attention.py (atol 4e-3, rtol 8e-3), lse within 1e-5 abs + rel.
+Also timed: the indexer + top-16 select alone (one device: msa_index_scores +
+sparse_topk_select; DCP: dcp_index_select with its candidate all-gather).
 Timing: steady-state wall time per call (inputs already placed: q/index_q sharded over
 tokens, metadata replicated, caches per rank), ``--reps`` back-to-back async calls per trial,
 median of ``--trials``.
@@ -44,10 +46,10 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jax_msa_runner.config import RunnerConfig  # noqa: E402
-from jax_msa_runner.dcp_attention import (DCP_AXIS, dcp_msa_attention,  # noqa: E402
-                                          make_dcp_mesh)
+from jax_msa_runner.dcp_attention import (DCP_AXIS, dcp_index_select,  # noqa: E402
+                                          dcp_msa_attention, make_dcp_mesh)
 from jax_msa_runner.staging import stage_batch  # noqa: E402
-from pallas_kernels import msa_attention  # noqa: E402
+from pallas_kernels import msa_attention, msa_index_scores, sparse_topk_select  # noqa: E402
 
 PAGE = 128
 BF16_TOL = dict(atol=4e-3, rtol=8e-3)
@@ -157,14 +159,25 @@ def bench_shape(shape: Shape, world_size: int, *, reps: int, trials: int, seed: 
     def dist_fn(q, iq, kv, ik, md):
         return dcp_msa_attention(q, iq, kv, ik, md, mesh, scale=scale, interpret=interpret)
 
+    def single_select(q, iq, kv, ik, md):
+        scores = msa_index_scores(iq, ik, md.block_table, md.req_indices, md.positions,
+                                  interpret=interpret)
+        return sparse_topk_select(scores, md.num_valid_pages, interpret=interpret)
+
+    def dist_select(q, iq, kv, ik, md):
+        return dcp_index_select(iq, ik, md, mesh, interpret=interpret)[0]
+
     single, dist = single_fn(*single_args), dist_fn(*dist_args)
     check = compare(single, dist, np.asarray(single_args[4].token_mask))
     t_single = time_call(single_fn, single_args, reps=reps, trials=trials)
     t_dist = time_call(dist_fn, dist_args, reps=reps, trials=trials)
+    t_single_sel = time_call(jax.jit(single_select), single_args, reps=reps, trials=trials)
+    t_dist_sel = time_call(jax.jit(dist_select), dist_args, reps=reps, trials=trials)
     kv_bytes = lambda a: a.size * a.dtype.itemsize  # noqa: E731
     return dict(shape=dataclasses.asdict(shape), name=shape.name, world_size=world_size,
                 check=check, single=t_single, dcp=t_dist,
                 speedup=t_single["median_s"] / t_dist["median_s"],
+                indexer_single=t_single_sel, indexer_dcp=t_dist_sel,
                 cache_bytes_single=kv_bytes(single_args[2]) + kv_bytes(single_args[3]),
                 cache_bytes_per_rank=(kv_bytes(dist_args[2]) + kv_bytes(dist_args[3]))
                 // world_size)
@@ -177,15 +190,16 @@ def markdown(result: dict) -> str:
              "rtol 8e-3); step time per call, median of trials.",
              "",
              "| shape | sel rows equal | out max diff | lse max diff | equal | one device ms "
-             "| DCP ms | speedup | cache GiB/device 1 -> W |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| DCP ms | speedup | indexer+select ms 1 -> W | cache GiB/device 1 -> W |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["results"]:
         c = r["check"]
         lines.append(
             f"| {r['name']} | {c['selection_rows_equal']:.4f} | {c['out_max_abs_diff']:.2e} | "
             f"{c['lse_max_abs_diff']:.2e} | {'yes' if c['equal'] else 'NO'} | "
             f"{r['single']['median_s'] * 1e3:.3f} | {r['dcp']['median_s'] * 1e3:.3f} | "
-            f"{r['speedup']:.2f}x | {r['cache_bytes_single'] / 2**30:.2f} -> "
+            f"{r['speedup']:.2f}x | {r['indexer_single']['median_s'] * 1e3:.3f} -> "
+            f"{r['indexer_dcp']['median_s'] * 1e3:.3f} | {r['cache_bytes_single'] / 2**30:.2f} -> "
             f"{r['cache_bytes_per_rank'] / 2**30:.2f} |")
     return "\n".join(lines) + "\n"
 
