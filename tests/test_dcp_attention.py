@@ -24,7 +24,8 @@ from jax_msa_runner.dcp_attention import (
     unshard_paged_caches)
 from jax_msa_runner.staging import stage_batch, stage_dummy_batch
 from jax_msa_runner.validate import validate_metadata
-from pallas_kernels import msa_attention, msa_attention_reference
+from pallas_kernels import (msa_attention, msa_attention_reference, msa_index_scores_reference,
+                            sparse_topk_select_reference)
 from tests.conftest import INTERPRET
 
 PAGE = 128
@@ -138,6 +139,29 @@ def test_random_batches_match_single_device_references(world_size, dtype):
     for t in long_tokens:
         expected = np.append(np.arange(15), nvp[t] - 1)  # ids 0..14 and the forced block
         chex.assert_trees_all_equal(np.asarray(glob)[t], np.tile(expected, (HKV, 1)))
+
+
+def test_init_blocks_forced_on_their_owners():
+    """init_blocks = 3: global blocks 0, 1, 2 forced (on ranks 0, 1, 0 of W = 2) like the
+    single-device selector's init blocks."""
+    world_size = 2
+    rng = np.random.default_rng(21)
+    sched, comp = np.array([1, 2]), np.array([3500, 2600])
+    seq = sched + comp
+    gbt = _global_table(rng, seq)
+    md1 = stage_batch(sched, comp, gbt, _config(1))
+    _, ik, _, iq = _inputs(rng, N_GLOBAL, md1.num_tokens_padded, jnp.float32)
+    (iks,), lbt = shard_paged_caches([ik], gbt, seq, world_size, num_local_pages=N_LOCAL)
+    mdw = stage_batch(sched, comp, lbt, _config(world_size))
+    mesh = make_dcp_mesh(world_size)
+    glob, _ = dcp_index_select(iq, shard_to_mesh(jnp.asarray(iks), mesh), mdw, mesh,
+                               use_kernels=False, init_blocks=3)
+    scores = msa_index_scores_reference(jnp.asarray(iq), jnp.asarray(ik), md1.block_table,
+                                        md1.req_indices, md1.positions)
+    expected = sparse_topk_select_reference(scores, md1.num_valid_pages, init_blocks=3)
+    chex.assert_trees_all_equal(glob, expected)
+    real = np.asarray(md1.token_mask)
+    assert (np.asarray(glob)[real][..., :3] == np.arange(3)).all()
 
 
 def _rank_share(glob, world_size, rank):
