@@ -1,0 +1,147 @@
+"""Decode throughput of the serving step: MSA sparse attention vs dense attention.
+
+    python3 bench/serving.py --out DIR        (H200; defaults below; JSON to DIR/serving.json)
+
+Each point runs the runner's compiled step (``runner.serve_step``: on-device staging via
+``stage_packed``, the model, greedy sampling, in-place cache writes) on a pure decode batch:
+B requests, each with L - 1 cached tokens and one new token. Shapes are MiniMax-M3's per
+rank at TP4: Hq 16, Hkv 1, head dim 128, index heads 1, index dim 128, hidden 6144, bf16.
+A few layers are enough (attention cost is per layer): ``--layers`` (default 4), all MSA in
+the sparse loop; the dense loop runs the same weights with every layer on dense paged
+attention (``attention_mode="dense"``). The LM head uses a 32768-token vocabulary (its cost
+is context independent). Reported: step time (median of ``--iters``), decode tokens/s = B /
+step time, and the sparse step time at each context relative to the smallest context.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_msa_runner.buckets import Bucket  # noqa: E402
+from jax_msa_runner.config import RunnerConfig  # noqa: E402
+from jax_msa_runner.model import (ModelConfig, compute_logits, default_attention_impl,  # noqa: E402
+                                  forward, init_caches, init_params)
+from jax_msa_runner.runner import pack_step_inputs, sample_tokens  # noqa: E402
+from jax_msa_runner.staging import pack_host_batch, packed_size, stage_packed  # noqa: E402
+
+
+def bench_config(layers: int) -> ModelConfig:
+    return ModelConfig(vocab_size=32768, hidden_size=6144, num_layers=layers, num_heads=16,
+                       num_kv_heads=1, head_dim=128, rotary_dim=64, rope_theta=5e6,
+                       intermediate_size=3072, num_index_heads=1, index_dim=128,
+                       sparse_attention_freq=(1,) * layers, dtype="bfloat16")
+
+
+def make_step(bucket, rconfig, mconfig, impl, mode):
+    """The runner's step with the attention mode exposed (the runner serves MSA)."""
+
+    def step(params, caches, host_buf):
+        R, T = bucket.num_reqs, bucket.num_tokens
+        o = packed_size(bucket)
+        md = stage_packed(host_buf[:o], bucket, rconfig)
+        hidden, caches = forward(params, caches, host_buf[o:o + T], md, config=mconfig,
+                                 attention_impl=impl, attention_mode=mode)
+        last = jnp.clip(md.query_start_loc[1:] - 1, 0, T - 1)
+        logits = compute_logits(params, hidden[last], mconfig)
+        temp = jax.lax.bitcast_convert_type(host_buf[o + T + 2 * R:], jnp.float32)
+        nxt = sample_tokens(logits, temp, host_buf[o + T:o + T + R], host_buf[o + T + R:o + T + 2 * R])
+        return nxt, caches
+
+    return jax.jit(step, donate_argnums=1)
+
+
+def run_point(params, mconfig, batch, context, impl, mode, iters):
+    pages_per_req = context // 128
+    rconfig = RunnerConfig(max_num_seqs=batch, max_num_batched_tokens=batch,
+                           max_model_len=context, bucket_sizes=(batch,))
+    bucket = Bucket(batch, batch, rconfig.max_pages)
+    num_pages = 2 + batch * pages_per_req
+    caches = init_caches(mconfig, num_pages)
+    table = (2 + np.arange(batch * pages_per_req)).reshape(batch, pages_per_req)
+    packed = pack_host_batch(np.ones(batch, np.int64), np.full(batch, context - 1), table, bucket,
+                             rconfig)
+    buf = jax.device_put(pack_step_inputs(packed, np.arange(batch) % mconfig.vocab_size,
+                                          np.zeros(batch), np.zeros(batch),
+                                          np.zeros(batch, np.float32), bucket))
+    step = make_step(bucket, rconfig, mconfig, impl, mode)
+    t0 = time.perf_counter()
+    nxt, caches = step(params, caches, buf)
+    jax.block_until_ready(nxt)
+    compile_s = time.perf_counter() - t0
+    for _ in range(2):
+        nxt, caches = step(params, caches, buf)
+    jax.block_until_ready(nxt)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        nxt, caches = step(params, caches, buf)
+        jax.block_until_ready(nxt)
+        times.append(time.perf_counter() - t)
+    del caches
+    ms = float(np.median(times) * 1e3)
+    return {"mode": mode, "batch": batch, "context": context, "step_ms": ms,
+            "step_ms_min": float(np.min(times) * 1e3), "tokens_per_s": batch / (ms / 1e3),
+            "compile_s": compile_s, "kv_pages": num_pages}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="directory for serving.json")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--impl", default=None, choices=("pallas", "reference"))
+    ap.add_argument("--modes", default="msa,dense")
+    args = ap.parse_args(argv)
+    impl = args.impl or default_attention_impl()
+    mconfig = bench_config(args.layers)
+    params = init_params(mconfig, seed=0)
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    dev = jax.devices()[0]
+    results = []
+    print(f"device {dev.device_kind}, impl {impl}, {args.layers} layers, bf16, per-rank Hq 16 / Hkv 1 / "
+          f"D 128 / Di 128")
+    print(f"{'mode':>6} {'B':>4} {'ctx':>7} {'step ms':>9} {'tok/s':>10}")
+    for mode in args.modes.split(","):
+        for b in batches:
+            for c in contexts:
+                try:
+                    r = run_point(params, mconfig, b, c, impl, mode, args.iters)
+                except Exception as e:  # noqa: BLE001 - record (e.g. OOM) and keep going
+                    r = {"mode": mode, "batch": b, "context": c, "error": f"{type(e).__name__}: {e}"[:500]}
+                    print(f"{mode:>6} {b:>4} {c:>7}  ERROR {r['error'][:120]}")
+                else:
+                    print(f"{mode:>6} {b:>4} {c:>7} {r['step_ms']:9.3f} {r['tokens_per_s']:10.1f}")
+                results.append(r)
+                sys.stdout.flush()
+    # flatness of the sparse step: step time at each context / at the smallest context
+    for b in batches:
+        base = next((r for r in results if r.get("mode") == "msa" and r["batch"] == b
+                     and r["context"] == contexts[0] and "step_ms" in r), None)
+        for r in results:
+            if base and r.get("mode") == "msa" and r["batch"] == b and "step_ms" in r:
+                r["ratio_vs_smallest_context"] = r["step_ms"] / base["step_ms"]
+    out = {"device": dev.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
+           "impl": impl, "layers": args.layers, "dtype": "bfloat16",
+           "model": dataclasses.asdict(mconfig), "iters": args.iters, "results": results}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "serving.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
