@@ -1,4 +1,10 @@
-"""Command line: ``jax-msa-runner demo`` (the main job) and ``jax-msa-runner compare``."""
+"""Command line: ``jax-msa-runner demo`` (the main job), ``buckets`` and ``compare``.
+
+- demo: the tiny default model serves a synthetic workload (jax_msa_runner.demo).
+- buckets: stages every bucket of the default RunnerConfig with each dummy kind and
+  validates it (the metadata table).
+- compare: the comparison against vLLM 0.33.0's operators (jax_msa_runner.compare).
+"""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +15,7 @@ import time
 import jax
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_buckets(args: argparse.Namespace) -> int:
     """Stages every bucket of the default RunnerConfig with each dummy kind and validates it.
 
     Prints one row per (bucket, kind): bucket (T, R, P), real tokens and requests, the first
@@ -60,11 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jax-msa-runner`` script."""
     parser = argparse.ArgumentParser(prog="jax-msa-runner", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="stage and validate every bucket of the default config")
-    demo.add_argument("--profile-seq-len", type=int, default=None,
-                      help="profiling override L of the dummy sequence length")
-    demo.add_argument("--repeats", type=int, default=20,
-                      help="timed stagings per (bucket, kind) after the first")
+    from jax_msa_runner.demo import add_demo_args, run_demo
+
+    demo = sub.add_parser("demo", help="serve a synthetic workload with the tiny default model")
+    add_demo_args(demo)
+    buckets = sub.add_parser("buckets", help="stage and validate every bucket of the default config")
+    buckets.add_argument("--profile-seq-len", type=int, default=None,
+                         help="profiling override L of the dummy sequence length")
+    buckets.add_argument("--repeats", type=int, default=20,
+                         help="timed stagings per (bucket, kind) after the first")
     compare = sub.add_parser("compare", help="compare against the reference implementation",
                              add_help=False)
     compare.add_argument("rest", nargs=argparse.REMAINDER)
@@ -73,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         from jax_msa_runner.compare import main as compare_main
         return compare_main(argv[1:])
     args = parser.parse_args(argv)
-    return run_demo(args)
+    return run_demo(args) if args.command == "demo" else run_buckets(args)
 
 
 if __name__ == "__main__":

@@ -257,10 +257,10 @@ def test_every_dummy_kind_over_every_bucket_property(cfg_i, data, kind, L, ctx):
         np.testing.assert_array_equal(md.num_computed_tokens[:n], ctx_len)
 
 
-def test_cli_demo_stages_and_validates_every_bucket_and_kind(capsys):
+def test_cli_buckets_stages_and_validates_every_bucket_and_kind(capsys):
     from jax_msa_runner.cli import main
 
-    assert main(["demo", "--repeats", "1", "--profile-seq-len", "4096"]) == 0
+    assert main(["buckets", "--repeats", "1", "--profile-seq-len", "4096"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.rstrip().endswith(" ok")]
     assert len(rows) == len(make_buckets(RunnerConfig())) * len(DUMMY_KINDS)
