@@ -1,21 +1,24 @@
 """MSA sparse decode: attention of each token over its 16 selected KV pages (spec section 4).
 
 Kernel (Pallas, Triton backend): grid ``(T, Hkv, num_splits)``. A program owns the GQA group of
-one token and one KV head (the group's query heads, padded to >= 16, are the dot rows) and a
-contiguous range of ``16 // num_splits`` selection slots. Before its loop it loads the 16 block
-ids as one vector, applies the safety boundary and gathers the 16 page ids from the block table
-(so the loop has no dependent scalar loads and Triton can pipeline the page loads); per slot it
-loads the page's K and V halves (``[128, D]`` each) and updates an online softmax (base 2, finite
-mask value). Splits are merged by log-sum-exp in jnp; with one split the kernel writes the final
-output. Slots at or beyond ``n_use`` are skipped (dynamic loop bound: no loads for them).
+one token and one KV head (the group's query heads, padded to >= 16, are the dot rows). Before
+its loop it loads the 16 block ids as one vector, applies the safety boundary, gathers the 16
+page ids from the block table and compacts the valid slots to the front (stable order, a 16x16
+rank compare in registers), so the loop has no dependent scalar loads, Triton can pipeline the
+page loads, and invalid slots (``-1``, out-of-range ids, slots ``>= n_use``) load nothing. The
+``n_valid`` compacted slots are cut into ``num_splits`` contiguous chunks of
+``ceil(n_valid / num_splits)``; a loop step loads ``keys_per_step`` keys (a whole page, or a
+half page: a smaller pipeline stage) of K and V (``[keys_per_step, D]`` each) and updates an
+online softmax (base 2, finite mask value). Splits are merged by log-sum-exp in jnp; with one
+split the kernel writes the final output.
 
 Safety boundary (in the kernel and in the reference): for a consumed slot, a block id that is
-``< 0`` or ``>= ceil(kv_len / 128)`` is replaced by block 0 before the block-table read and every
-key loaded for it is masked, so the online-softmax state is unchanged by it. The request row
-is clamped to ``[0, R)`` and the page id read from the block table to ``[0, N)`` before they
-form an address. A block id ``>= P`` (beyond the block table's width, only possible when the
-table is narrower than ``kv_len`` needs) is treated like an out-of-range id: masked.
-Keys ``blk * 128 + i`` are valid iff ``< kv_len``.
+``< 0`` or ``>= ceil(kv_len / 128)`` is replaced by block 0 before the block-table read and
+contributes nothing (the kernel skips it, the reference masks it), so the online-softmax state
+is unchanged by it. The request row is clamped to ``[0, R)`` and the page id read from the
+block table to ``[0, N)`` before they form an address. A block id ``>= P`` (beyond the block
+table's width, only possible when the table is narrower than ``kv_len`` needs) is treated like
+an out-of-range id. Keys ``blk * 128 + i`` are valid iff ``< kv_len``.
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ TOPK = 16  # selection slots per (token, KV head)
 NUM_SMS = 132  # H200 streaming multiprocessors: the default split count fills them
 MIN_DOT = 16  # Triton dots need M, N, K >= 16
 MAX_GROUP_ROWS = 128  # padded GQA group rows of one program (register budget)
+FILL_PROGRAMS = 128  # default decode splits: smallest with T * Hkv * splits >= this (~132 SMs)
+SMEM_BYTES = 227 * 1024  # H200 shared memory per block: stages * K+V step bytes must fit
+KEYS_PER_STEP = (64, 128)  # keys of one decode loop step (one pipeline stage)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASK = -1e30  # finite mask value for scores (base-2 units)
@@ -60,6 +66,28 @@ def default_num_stages(dtype, head_dim: int) -> int:
     ~160 KiB of the H200's 227 KiB shared memory: bf16 D=128 -> 2, f32 D=128 -> 1, at most 3."""
     page_bytes = PAGE * 2 * head_dim * jnp.dtype(dtype).itemsize
     return max(1, min(3, (160 * 1024) // page_bytes))
+
+
+def step_bytes(dtype, head_dim: int, keys_per_step: int = PAGE) -> int:
+    """Shared-memory bytes of one pipeline stage: K and V, ``[keys_per_step, D]`` each."""
+    return keys_per_step * 2 * head_dim * jnp.dtype(dtype).itemsize
+
+
+def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
+    """Launch defaults of :func:`sparse_decode` for ``num_rows = T * Hkv`` (token, KV head) rows.
+
+    From H200 measurements (bf16, D 128): ``num_splits`` is the smallest power of two <= 16 with
+    ``num_rows * splits >= 128`` (16/1 B=128: one split, 41 us, beats two, 48-54 us); 3 pipeline
+    stages while the programs fit one wave on 132 SMs, else 2 (64/4 B=128: s2 140 us, s3 145 us),
+    capped by shared memory; 4 warps; whole-page steps. Returns a dict of
+    ``num_splits, num_warps, num_stages, keys_per_step``.
+    """
+    splits = 1
+    while splits < TOPK and num_rows * splits < FILL_PROGRAMS:
+        splits *= 2
+    stages = 3 if num_rows * splits <= NUM_SMS else 2
+    stages = max(1, min(stages, SMEM_BYTES // step_bytes(dtype, head_dim, PAGE)))
+    return dict(num_splits=splits, num_warps=4, num_stages=stages, keys_per_step=PAGE)
 
 
 def validate_inputs(q, kv_cache, selected, block_table, req_indices, kv_lens, *, name: str):
@@ -162,8 +190,8 @@ def sparse_decode_reference(q, kv_cache, selected, block_table, req_indices, kv_
 def online_softmax_step(carry, q, k, v, key_ok, scale_log2, row_weight=None):
     """One page of the online softmax (base 2, finite mask, masked V).
 
-    carry ``(acc [M,D] f32, m [M] f32, l [M] f32)``; ``q [M,D]``, ``k, v [128,D]`` (input dtype);
-    ``key_ok [M,128]`` or ``[1,128]`` bool; ``row_weight [M] f32`` (optional) multiplies the row's
+    carry ``(acc [M,D] f32, m [M] f32, l [M] f32)``; ``q [M,D]``, ``k, v [K,D]`` (input dtype,
+    K = 128 keys of a page or fewer); ``key_ok [M,K]`` or ``[1,K]`` bool; ``row_weight [M] f32`` (optional) multiplies the row's
     probabilities (a page selected twice counts twice).
     """
     acc, m, l = carry
@@ -176,7 +204,7 @@ def online_softmax_step(carry, q, k, v, key_ok, scale_log2, row_weight=None):
         p = p * row_weight[:, None]
     p = jnp.where(key_ok, p, 0.0)
     l_new = alpha * l + jnp.sum(p, axis=1)
-    v_ok = jnp.max(key_ok.astype(jnp.int32), axis=0) > 0                 # [128]
+    v_ok = jnp.max(key_ok.astype(jnp.int32), axis=0) > 0                 # [K]
     v = jnp.where(v_ok[:, None], v, jnp.zeros_like(v))
     acc_new = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v,
                                              preferred_element_type=jnp.float32)
@@ -212,8 +240,20 @@ def merge_splits(o, lse):
 # Pallas kernel
 # --------------------------------------------------------------------------------------------
 
+def compact_slots(ok):
+    """Stable compaction of valid slots: ``ok [16]`` bool -> ``(pos [16] int32, n_valid int32)``;
+    ``pos`` is a valid slot's rank among the valid slots and 16 (picked by no step) for the
+    others. Register ops only (a 16x16 compare), usable inside a Triton kernel."""
+    slot = jnp.arange(ok.shape[0], dtype=jnp.int32)
+    ok_i = ok.astype(jnp.int32)
+    before = slot[:, None] < slot[None, :]                                # [i, j]: i before j
+    rank = jnp.sum(jnp.where(before, ok_i[:, None], 0), axis=0)          # [16]
+    return jnp.where(ok, rank, ok.shape[0]), jnp.sum(ok_i)
+
+
 def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_ref, *,
-                   slots_per_split, head_dim, num_pages, num_rows, num_cols, scale_log2):
+                   num_splits, keys_per_step, head_dim, num_pages, num_rows, num_cols,
+                   scale_log2):
     """One (token, kv head, split): ``q_ref [M,D]``, ``sel_ref [16]``, whole ``kv_ref``,
     ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D]``, ``lse_ref [M]``."""
     t = pl.program_id(0)
@@ -223,55 +263,67 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
     row = jnp.clip(req_ref[t], 0, num_rows - 1)
     n_blocks = (kv_len + PAGE - 1) // PAGE
     n_use = jnp.minimum(n_blocks, TOPK)
-    first = split * slots_per_split
-    n_iter = jnp.clip(n_use - first, 0, slots_per_split)
     q = q_ref[...]
     rows = q.shape[0]
-    keys = jnp.arange(PAGE, dtype=jnp.int32)
-    # All 16 slots at once, outside the loop: boundary, then one gather of the page ids, so
-    # the loop body holds no dependent scalar loads and its K/V loads can be pipelined.
+    # All 16 slots at once, outside the loop: boundary, one gather of the page ids, compaction
+    # of the valid slots, so the loop body holds no dependent scalar loads (its K/V loads can be
+    # pipelined) and runs over valid slots only.
     slot = jnp.arange(TOPK, dtype=jnp.int32)
     raw = sel_ref[...]                                    # [16]
     ok_vec = (slot < n_use) & (raw >= 0) & (raw < jnp.minimum(n_blocks, num_cols))
     blk_vec = jnp.where(ok_vec, raw, 0)                   # boundary: before the table read
     page_vec = jnp.clip(bt_ref[row, blk_vec], 0, num_pages - 1)
-    ok_vec = ok_vec.astype(jnp.int32)
+    pos_vec, n_valid = compact_slots(ok_vec)
+    chunk = (n_valid + num_splits - 1) // num_splits
+    first = split * chunk
+    n_slots = jnp.clip(n_valid - first, 0, chunk)
+    steps_per_slot = PAGE // keys_per_step
+    keys = jnp.arange(keys_per_step, dtype=jnp.int32)
 
     def body(i, carry):
-        pick = slot == first + i                          # register "indexing": one-hot sum
+        if steps_per_slot == 1:
+            j, start = i, 0
+        else:
+            j = jax.lax.div(i, steps_per_slot)
+            start = (i - j * steps_per_slot) * keys_per_step
+        pick = pos_vec == first + j                       # register "indexing": one-hot sum
         page = jnp.sum(jnp.where(pick, page_vec, 0))
         blk = jnp.sum(jnp.where(pick, blk_vec, 0))
-        ok = jnp.sum(jnp.where(pick, ok_vec, 0)) > 0
-        k = kv_ref[page, h, :, pl.ds(0, head_dim)]
-        v = kv_ref[page, h, :, pl.ds(head_dim, head_dim)]
-        key_ok = (ok & (blk * PAGE + keys < kv_len))[None, :]   # [1,128]: same for all rows
+        hit = jnp.sum(pick.astype(jnp.int32)) > 0         # always true: no step past n_valid
+        k = kv_ref[page, h, pl.ds(start, keys_per_step), pl.ds(0, head_dim)]
+        v = kv_ref[page, h, pl.ds(start, keys_per_step), pl.ds(head_dim, head_dim)]
+        key_ok = (hit & (blk * PAGE + start + keys < kv_len))[None, :]  # [1,K]: all rows
         return online_softmax_step(carry, q, k, v, key_ok, scale_log2)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(0, n_iter, body, init)
+    acc, m, l = jax.lax.fori_loop(0, n_slots * steps_per_slot, body, init)
     out, lse = finalize(acc, m, l)
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "keys_per_step"))
 def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
-                  interpret=False, num_splits=None, num_warps=4, num_stages=None):
+                  interpret=False, num_splits=None, num_warps=None, num_stages=None,
+                  keys_per_step=None):
     """MSA sparse decode (spec section 4) with the kernel safety boundary.
 
     Args:
       q: ``[T, Hq, D]`` bf16/f16/f32, D a power of two >= 16.
       kv_cache: ``[N, Hkv, 128, 2D]`` (K = ``[..., :D]``, V = ``[..., D:]``), q's dtype.
-      selected: ``[T, Hkv, 16]`` int32 block ids (-1 or out-of-range ids contribute nothing).
+      selected: ``[T, Hkv, 16]`` int32 block ids (-1 or out-of-range ids contribute nothing and
+        load nothing).
       block_table: ``[R, P]`` int32 page ids; req_indices ``[T]`` int32 rows of it.
       kv_lens: ``[T]`` int32 visible keys per token (0 = padded row).
       scale: softmax scale (static). interpret: Pallas interpret mode (CPU).
-      num_splits: split-K factor in {1, 2, 4, 8, 16}; default fills 132 SMs from T * Hkv.
-      num_warps, num_stages: Triton launch tunables; num_stages defaults to
-        :func:`default_num_stages` (2 for bf16 D=128, 1 for f32 D=128).
+      num_splits: split-K factor in {1, 2, 4, 8, 16}; keys_per_step: keys per loop step (one
+        pipeline stage of ``keys_per_step * 2D`` elements) in {64, 128}; num_warps,
+        num_stages: Triton launch tunables (``num_stages * stage bytes`` must fit 227 KiB).
+        Each ``None`` takes :func:`default_decode_config` (bf16 D=128, T*Hkv=128: 1 split,
+        4 warps, 3 stages, 128 keys).
     Returns:
       ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``; lse is the natural-log LSE of the scaled
       scores; rows without a visible key give zeros and -inf.
@@ -280,11 +332,20 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
                                              kv_lens, name="sparse_decode")
     g = hq // hkv
     m_rows = padded_group(hq, hkv)
-    splits = default_num_splits(t * hkv) if num_splits is None else num_splits
+    cfg = default_decode_config(t * hkv, q.dtype, d)
+    splits = cfg["num_splits"] if num_splits is None else num_splits
     _check_tunable("num_splits", "sparse_decode", splits, (1, 2, 4, 8, 16))
+    kps = cfg["keys_per_step"] if keys_per_step is None else keys_per_step
+    _check_tunable("keys_per_step", "sparse_decode", kps, KEYS_PER_STEP)
+    num_warps = cfg["num_warps"] if num_warps is None else num_warps
     _check_tunable("num_warps", "sparse_decode", num_warps, (1, 2, 4, 8, 16))
-    num_stages = default_num_stages(q.dtype, d) if num_stages is None else num_stages
+    stage = step_bytes(q.dtype, d, kps)
+    if num_stages is None:  # the default depth, re-capped for the chosen step size
+        num_stages = max(1, min(cfg["num_stages"], SMEM_BYTES // stage))
     _check_tunable("num_stages", "sparse_decode", num_stages, (1, 2, 3, 4, 5, 6))
+    if num_stages * stage > SMEM_BYTES:
+        raise ValueError(f"sparse_decode: num_stages {num_stages} x {stage} bytes of K+V per "
+                         f"step (keys_per_step {kps}) exceeds {SMEM_BYTES} bytes of shared memory")
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
 
@@ -292,8 +353,8 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     if m_rows != g:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
     out_dtype = q.dtype if splits == 1 else jnp.float32
-    kernel = functools.partial(_decode_kernel, slots_per_split=TOPK // splits, head_dim=d,
-                               num_pages=n, num_rows=r, num_cols=p,
+    kernel = functools.partial(_decode_kernel, num_splits=splits, keys_per_step=kps,
+                               head_dim=d, num_pages=n, num_rows=r, num_cols=p,
                                scale_log2=float(scale) * LOG2E)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     o, lse = pl.pallas_call(
@@ -327,4 +388,5 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
 
 __all__ = ["sparse_decode", "sparse_decode_reference", "sanitize_selection", "merge_splits",
            "online_softmax_step", "finalize", "validate_inputs", "padded_group",
-           "default_num_splits", "default_num_stages", "PAGE", "TOPK"]
+           "default_num_splits", "default_num_stages", "default_decode_config", "step_bytes",
+           "compact_slots", "PAGE", "TOPK", "KEYS_PER_STEP"]

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels._lowering import lower_for_cuda, triton_calls
-from pallas_kernels.sparse_decode import (PAGE, TOPK, default_num_splits, default_num_stages,
-                                          sparse_decode)
+from pallas_kernels.sparse_decode import (PAGE, SMEM_BYTES, TOPK, default_decode_config,
+                                          default_num_stages, sparse_decode, step_bytes)
 from pallas_kernels.sparse_prefill import sparse_prefill
 
 D = 128
@@ -21,28 +21,59 @@ def _specs(t, hq, hkv, *, pages=4096, rows=128, cols=512):
             s((t,), jnp.int32))
 
 
-@pytest.mark.parametrize("hq,hkv", [(16, 1), (64, 4)])
-@pytest.mark.parametrize("batch", [1, 128])
-def test_sparse_decode_lowers_for_h200(hq, hkv, batch):
+@pytest.mark.parametrize("hq,hkv,batch,want", [
+    (16, 1, 1, (16, 4, 3)), (64, 4, 1, (16, 4, 3)),     # splits fill the SMs
+    (16, 1, 128, (1, 4, 3)),                            # one wave: 3 x 64 KiB stages
+    (64, 4, 128, (1, 4, 2)),                            # 4 waves: 2 stages
+])
+def test_sparse_decode_lowers_for_h200_with_defaults(hq, hkv, batch, want):
     text = lower_for_cuda(sparse_decode, *_specs(batch, hq, hkv), scale=D ** -0.5)
     calls = triton_calls(text)
     assert [c["name"] for c in calls] == ["msa_sparse_decode"]
-    splits = default_num_splits(batch * hkv)
-    assert (calls[0]["grid_x"], calls[0]["grid_y"], calls[0]["grid_z"]) == (batch, hkv, splits)
-    assert batch * hkv * splits >= min(132, batch * hkv * TOPK)
-    assert (calls[0]["num_warps"], calls[0]["num_stages"]) == (4, 2)  # 2 x 64 KiB K+V buffers
+    cfg = default_decode_config(batch * hkv, jnp.bfloat16, D)
+    assert (cfg["num_splits"], cfg["num_warps"], cfg["num_stages"]) == want
+    assert cfg["keys_per_step"] == PAGE
+    assert (calls[0]["grid_x"], calls[0]["grid_y"], calls[0]["grid_z"]) == (batch, hkv, want[0])
+    assert (calls[0]["num_warps"], calls[0]["num_stages"]) == want[1:]
+
+
+@pytest.mark.parametrize("hq,hkv,batch,kw", [
+    (16, 1, 128, dict(keys_per_step=64, num_splits=1, num_stages=6)),
+    (16, 1, 128, dict(keys_per_step=64, num_splits=2, num_stages=3, num_warps=8)),
+    (64, 4, 128, dict(keys_per_step=64, num_splits=1, num_stages=4)),
+    (16, 1, 1, dict(keys_per_step=64, num_splits=16, num_stages=2)),
+    (64, 4, 64, dict(keys_per_step=128, num_splits=2, num_stages=3, num_warps=8)),
+])
+def test_sparse_decode_tunables_lower_at_benchmark_shapes(hq, hkv, batch, kw):
+    text = lower_for_cuda(sparse_decode, *_specs(batch, hq, hkv), scale=D ** -0.5, **kw)
+    [call] = triton_calls(text)
+    assert (call["grid_x"], call["grid_y"], call["grid_z"]) == (batch, hkv, kw["num_splits"])
+    assert (call["num_warps"], call["num_stages"]) == (kw.get("num_warps", 4), kw["num_stages"])
 
 
 def test_default_stages_fit_shared_memory():
-    assert default_num_stages(jnp.bfloat16, 128) == 2
+    assert default_num_stages(jnp.bfloat16, 128) == 2   # prefill's default
     assert default_num_stages(jnp.float32, 128) == 1
     assert default_num_stages(jnp.bfloat16, 64) == 3
+    for rows in (1, 16, 64, 128, 512):
+        for dtype in (jnp.bfloat16, jnp.float32):
+            cfg = default_decode_config(rows, dtype, D)
+            assert cfg["num_stages"] * step_bytes(dtype, D, cfg["keys_per_step"]) <= SMEM_BYTES
+    assert default_decode_config(128, jnp.float32, D)["num_stages"] == 1
+    # the default depth is re-capped for an explicit step size; too deep a pipeline raises
+    [call] = triton_calls(lower_for_cuda(sparse_decode, *_specs(128, 16, 1), scale=1.0,
+                                         keys_per_step=64))
+    assert call["num_stages"] == 3
+    with pytest.raises(ValueError, match="shared memory"):
+        lower_for_cuda(sparse_decode, *_specs(128, 16, 1), scale=1.0, num_stages=4)
 
 
-def test_sparse_decode_tunables_reach_triton():
+@pytest.mark.parametrize("keys_per_step", [128, 64])
+def test_sparse_decode_tunables_reach_triton(keys_per_step):
     # a 17 GB cache (64K pages, B=128 at 64K context) takes the 64-bit address path
     text = lower_for_cuda(sparse_decode, *_specs(16, 64, 4, pages=65536, cols=65536 // PAGE),
-                          scale=D ** -0.5, num_splits=16, num_warps=8, num_stages=3)
+                          scale=D ** -0.5, num_splits=16, num_warps=8, num_stages=3,
+                          keys_per_step=keys_per_step)
     [call] = triton_calls(text)
     assert (call["grid_z"], call["num_warps"], call["num_stages"]) == (16, 8, 3)
 

@@ -3,10 +3,10 @@
 One mixed batch per configuration keeps the number of compilations small: kv lengths
 1, 127, 128, 129, 2047, 2048, 2049 and longer, a spec-decode request (q_len 3), padded
 rows, -1 / out-of-range ids inside the consumed range, the stale-position bug row
-(kv_len 4096 with [0, -1 x 15]), an all -1 row and a short selection. Poison (NaN) sits
-in the null page 0 (where a clamped slot reads for requests whose block 0 is unused),
-in the last page and the last block-table column (where a wrapped -1 lands), and in the
-tails of partial pages.
+(kv_len 4096 with [0, -1 x 15]), an all -1 row and a short selection, at whole-page and
+half-page loop steps (``keys_per_step`` 128 / 64). Poison (NaN) sits in the null page 0
+(where a clamped slot would read for requests whose block 0 is unused), in the last page and
+the last block-table column (where a wrapped -1 lands), and in the tails of partial pages.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from conftest import INTERPRET
-from pallas_kernels.sparse_decode import PAGE, TOPK, sparse_decode, sparse_decode_reference
+from pallas_kernels.sparse_decode import (PAGE, TOPK, compact_slots, sparse_decode,
+                                          sparse_decode_reference)
 
 D_MODEL = 128
 
@@ -31,7 +32,7 @@ class Req:
 
     seq_len: int
     q_len: int = 1
-    edit: str | None = None  # None | minus1 | oob | stale | all_minus1 | short | dup
+    edit: str | None = None  # None | minus1 | oob | stale | all_minus1 | short | dup | dcp
 
 
 @dataclasses.dataclass
@@ -71,6 +72,8 @@ def _selection(rng, kv_len, edit):
         sel[10:] = -1
     elif edit == "dup":  # a repeated id counts twice (multiset semantics)
         sel[min(1, n_use - 1)] = sel[0]
+    elif edit == "dcp":  # a DCP rank's view: few valid ids scattered among -1s, -1 first
+        sel[[s for s in range(n_use) if s % 3 != 1]] = -1
     kept = [int(b) for b in sel[:n_use] if 0 <= b < n]
     return sel.astype(np.int32), kept
 
@@ -186,16 +189,19 @@ DECODE_REQS = (
 IDENTITY_ROWS = (0, 1, 2, 3, 4, 5, 8, 9, 10)  # tokens of requests with kv_len <= 2048, unedited
 
 
-@pytest.mark.parametrize("dtype,hkv,d,num_splits", [
-    (jnp.float32, 1, 128, None),    # default split (8 for this batch)
-    (jnp.bfloat16, 4, 64, None),    # default split (2); D = 64 keeps the CPU cache small
-    (jnp.bfloat16, 1, 128, 1),      # single split: the kernel writes the final output
+@pytest.mark.parametrize("dtype,hkv,d,num_splits,keys_per_step", [
+    (jnp.float32, 1, 128, None, None),  # default split (8 for this batch), whole-page steps
+    (jnp.bfloat16, 4, 64, None, None),  # default split (2); D = 64 keeps the CPU cache small
+    (jnp.bfloat16, 1, 128, 1, None),    # single split: the kernel writes the final output
+    (jnp.bfloat16, 1, 128, 1, 64),      # half-page steps, single split
+    (jnp.float32, 1, 128, 4, 64),       # half-page steps, valid slots chunked over 4 splits
 ])
-def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits):
+def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits, keys_per_step):
     batch = build_batch(0, DECODE_REQS, hq=16 * hkv, hkv=hkv, d=d, dtype=dtype)
     scale = d ** -0.5
     args = batch.args()
-    out, lse = sparse_decode(*args, scale=scale, interpret=INTERPRET, num_splits=num_splits)
+    out, lse = sparse_decode(*args, scale=scale, interpret=INTERPRET, num_splits=num_splits,
+                             keys_per_step=keys_per_step)
     t, hq = batch.q.shape[:2]
     chex.assert_shape(out, (t, hq, d))
     chex.assert_shape(lse, (t, hq))
@@ -228,14 +234,18 @@ def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits):
     chex.assert_trees_all_close(lse[rows], d_lse, atol=lse_atol, rtol=lse_atol)
 
 
-def test_minus_one_inside_consumed_range_equals_selection_without_it():
+@pytest.mark.parametrize("keys_per_step,num_splits", [(None, None), (64, 1), (64, 4)])
+def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_step, num_splits):
     """The original bug: -1 (and out-of-range ids) inside the consumed range. Each edited
     token is paired with a clean twin (same q, pages and kv_len) whose selection is just the
     kept ids followed by -1: equal outputs, finite, equal to the oracle over the kept set.
-    Long rows never select block 0, so a clamped slot reads the NaN null page and must mask it."""
+    Long rows never select block 0, so a clamped slot would land on the NaN null page. The
+    DCP rows (valid ids scattered among -1s, -1 first) exercise the compaction of valid slots
+    and its chunking over splits."""
     reqs = (Req(1500), Req(1500, edit="minus1"), Req(4096), Req(4096, edit="stale"),
             Req(900), Req(900, edit="oob"), Req(5000), Req(5000, edit="minus1"),
-            Req(2600), Req(2600, edit="short"))
+            Req(2600), Req(2600, edit="short"), Req(5000), Req(5000, edit="dcp"),
+            Req(1000), Req(1000, edit="dcp"))
     pairs = [(i, i + 1) for i in range(0, len(reqs), 2)]
     batch = build_batch(1, reqs, hq=16, hkv=1, pad_tokens=0)
     for clean, bad in pairs:
@@ -248,7 +258,8 @@ def test_minus_one_inside_consumed_range_equals_selection_without_it():
         batch.kept[clean] = [kept]
     assert batch.block_table[7, 0] == 0 and 0 not in batch.kept[7][0]  # null page is NaN
     scale = D_MODEL ** -0.5
-    out, lse = sparse_decode(*batch.args(), scale=scale, interpret=INTERPRET)
+    out, lse = sparse_decode(*batch.args(), scale=scale, interpret=INTERPRET,
+                             keys_per_step=keys_per_step, num_splits=num_splits)
     chex.assert_tree_all_finite(out)
     chex.assert_tree_all_finite(lse)
     atol, lse_atol = tolerances(jnp.float32)
@@ -332,9 +343,26 @@ def test_bad_inputs_raise_naming_argument(fn, over, exc, match):
         fn(**_small_args(**over), scale=1.0)
 
 
+def test_compact_slots_is_a_stable_rank_of_valid_slots():
+    ok = np.zeros(TOPK, bool)
+    ok[[1, 4, 5, 15]] = True
+    pos, n_valid = compact_slots(jnp.asarray(ok))
+    assert int(n_valid) == 4
+    want = np.full(TOPK, TOPK)
+    want[[1, 4, 5, 15]] = [0, 1, 2, 3]
+    np.testing.assert_array_equal(np.asarray(pos), want)
+    pos, n_valid = compact_slots(jnp.zeros(TOPK, bool))
+    assert int(n_valid) == 0 and (np.asarray(pos) == TOPK).all()
+    pos, n_valid = compact_slots(jnp.ones(TOPK, bool))
+    assert int(n_valid) == TOPK
+    np.testing.assert_array_equal(np.asarray(pos), np.arange(TOPK))
+
+
 @pytest.mark.parametrize("kw,match", [(dict(num_splits=3), "num_splits"),
                                       (dict(num_warps=3), "num_warps"),
-                                      (dict(num_stages=0), "num_stages")])
+                                      (dict(num_stages=0), "num_stages"),
+                                      (dict(keys_per_step=32), "keys_per_step"),
+                                      (dict(num_stages=7, keys_per_step=64), "num_stages")])
 def test_bad_tunables_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         sparse_decode(**_small_args(), scale=1.0, interpret=True, **kw)
