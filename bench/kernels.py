@@ -266,13 +266,19 @@ def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int) -> list[dict
         except Exception as e:  # e.g. a configuration that exceeds shared memory
             rows.append({"kernel": kernel, **kw, "err": repr(e)[:200]})
 
-    for splits in (1, 2, 4):
-        for warps in (4, 8):
-            for stages in (1, 2, 3):
-                kw = dict(num_splits=splits, num_warps=warps, num_stages=stages)
-                timed("decode", jax.jit(lambda x, sel, kw=kw: sparse_decode(
-                    x["q"], x["kv"], sel, x["block_table"], x["req_indices"], x["kv_lens"],
-                    scale=HEAD_DIM ** -0.5, **kw)), (x, selected), kw)
+    # (keys_per_step, num_splits, num_warps, num_stages): 21 configs. Stages must fit 227 KiB:
+    # 128 keys = 64 KiB/stage (<= 3), 64 keys = 32 KiB/stage (<= 6; <= 3 -> 2 programs/SM).
+    decode_grid = (
+        [(128, sp, 4, st) for sp in (1, 2, 4) for st in (2, 3)]
+        + [(128, 1, 8, st) for st in (2, 3)]
+        + [(64, 1, w, st) for w in (4, 8) for st in (3, 4, 6)]
+        + [(64, 2, 4, 3), (64, 2, 4, 4), (64, 2, 8, 3), (64, 4, 4, 3), (64, 8, 4, 3)]
+        + [(kps, 16, 4, 2) for kps in (64, 128)])
+    for kps, splits, warps, stages in decode_grid:
+        kw = dict(keys_per_step=kps, num_splits=splits, num_warps=warps, num_stages=stages)
+        timed("decode", jax.jit(lambda x, sel, kw=kw: sparse_decode(
+            x["q"], x["kv"], sel, x["block_table"], x["req_indices"], x["kv_lens"],
+            scale=HEAD_DIM ** -0.5, **kw)), (x, selected), kw)
     for ppp in (4, 8, 16, 32):
         for warps in (4, 8):
             for stages in (2, 3):
