@@ -362,25 +362,39 @@ def summarize_case(spec: CaseSpec, inputs: dict, ours: dict, theirs: dict, atten
 
 
 def _vllm_command(vllm_python: str, ops_dir: pathlib.Path, folder: pathlib.Path, device: str,
-                  time_iters: int) -> tuple[list[str], dict]:
+                  time_iters: int, names: list[str]) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if device == "cpu":
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     else:
         env.pop("TRITON_INTERPRET", None)
     cmd = [vllm_python, str(VLLM_SIDE), "--ops-dir", str(ops_dir), "--cases", str(folder),
-           "--device", "cpu" if device == "cpu" else "cuda", "--time-iters", str(time_iters)]
+           "--device", "cpu" if device == "cpu" else "cuda", "--time-iters", str(time_iters),
+           "--names", ",".join(names)]
     return cmd, env
+
+
+def _shards(specs: list[CaseSpec], n: int) -> list[list[str]]:
+    """Case names split into n groups of about equal interpreter cost (greedy, by rows)."""
+    cost = lambda c: 2 + sum(c.query_lens) * c.num_kv_heads * (3 if c.mode == "decode" else 1)  # noqa: E731
+    groups = [[] for _ in range(max(1, min(n, len(specs))))]
+    load = [0] * len(groups)
+    for c in sorted(specs, key=cost, reverse=True):
+        i = load.index(min(load))
+        groups[i].append(c.name)
+        load[i] += cost(c)
+    return groups
 
 
 def run_comparison(specs=CASES, *, ours: str = "kernels", device: str = "cpu",
                    vllm_python: str | None = None, ops_dir: str | os.PathLike = DEFAULT_OPS_DIR,
                    time_iters: int = 0, negative_control: bool = False, tol: float = 1e-2,
-                   log=print) -> list[dict]:
+                   vllm_workers: int | None = None, log=print) -> list[dict]:
     """Run every case on both sides; returns one report row per case (see summarize_case).
 
-    The vLLM side runs in one subprocess for all cases: concurrently with ours on CPU,
-    before ours on a GPU (so timings do not overlap and JAX has not reserved GPU memory).
+    The vLLM side runs in ``vllm_workers`` subprocesses (default 2 on CPU, 1 on a GPU):
+    concurrently with ours on CPU, before ours on a GPU (so timings do not overlap and JAX
+    has not reserved GPU memory).
     Negative-control rows have ``passed`` True iff the perturbation was detected.
     """
     specs = list(specs) + ([NEGATIVE_CONTROL] if negative_control else [])
@@ -398,11 +412,14 @@ def run_comparison(specs=CASES, *, ours: str = "kernels", device: str = "cpu",
             if spec.perturb_vllm_page:
                 theirs_in, perturbations[spec.name] = perturb_one_page(inputs[spec.name])
             np.savez(folder / f"{spec.name}.in.npz", **theirs_in)
-        cmd, env = _vllm_command(vllm_python, ops_dir, folder, device, time_iters)
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs = []
+        for names in _shards(specs, vllm_workers or (2 if device == "cpu" else 1)):
+            cmd, env = _vllm_command(vllm_python, ops_dir, folder, device, time_iters, names)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
         if device != "cpu":
-            vllm_log, _ = proc.communicate()
+            vllm_log = "".join(p.communicate()[0] for p in procs)
         ours_results = {}
         for spec in specs:
             try:
@@ -412,7 +429,7 @@ def run_comparison(specs=CASES, *, ours: str = "kernels", device: str = "cpu",
                 ours_results[spec.name] = exc
                 log(f"ours {spec.name}: ERROR {type(exc).__name__}: {exc}")
         if device == "cpu":
-            vllm_log, _ = proc.communicate()
+            vllm_log = "".join(p.communicate()[0] for p in procs)
         log(vllm_log.rstrip())
         log(f"both sides done in {time.perf_counter() - t0:.0f} s")
         for spec in specs:
@@ -427,7 +444,7 @@ def run_comparison(specs=CASES, *, ours: str = "kernels", device: str = "cpu",
                 continue
             if not res_file.exists():
                 detail = json.loads(err_file.read_text())["error"] if err_file.exists() else \
-                    f"no result (vLLM side exit status {proc.returncode})"
+                    f"no result (vLLM side exit status {[p.returncode for p in procs]})"
                 rows.append({**base, "error": f"vllm: {detail}"})
                 continue
             with np.load(res_file) as z:
@@ -488,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--negative-control", action="store_true", help="also run the perturbed-page control")
     ap.add_argument("--time-iters", type=int, default=None, help="timed calls per op (default: 0 cpu, 30 gpu)")
     ap.add_argument("--tol", type=float, default=1e-2, help="max output relative L2 error")
+    ap.add_argument("--vllm-workers", type=int, default=None,
+                    help="vLLM-side processes (default: 2 on cpu, 1 on gpu)")
     ap.add_argument("--out-dir", default=None, help="write compare.json and compare.md here")
     args = ap.parse_args(argv)
     if args.device == "gpu":
@@ -500,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     time_iters = args.time_iters if args.time_iters is not None else (30 if args.device == "gpu" else 0)
     rows = run_comparison([c for c in CASES if c.name in wanted], ours=args.ours, device=args.device,
                           vllm_python=args.vllm_python, ops_dir=args.ops_dir, time_iters=time_iters,
-                          negative_control=args.negative_control, tol=args.tol)
+                          negative_control=args.negative_control, tol=args.tol,
+                          vllm_workers=args.vllm_workers)
     import jax
 
     header = (f"Comparison vs vLLM 0.33.0 MiniMax-M3 ops — device {args.device} "

@@ -6,6 +6,7 @@ in any Python that has torch + triton (the GPU machine). Run by path, as a subpr
 ``jax_msa_runner.compare``:
 
     python jax_msa_runner/compare_vllm_side.py --ops-dir .vllm_ops --cases DIR [--device cuda]
+        [--names a,b] [--time-iters N]
 
 For each ``DIR/<name>.in.npz`` it writes ``DIR/<name>.vllm.npz`` (selection, output, times)
 or, when the ops raise, ``DIR/<name>.vllm.json`` with the error; it never stops at a
@@ -155,15 +156,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", required=True, help="folder of <name>.in.npz files")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--time-iters", type=int, default=0, help="timed calls per op (GPU); 0 = no timing")
+    ap.add_argument("--names", default=None, help="comma-separated case names to run (default: all)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("CPU runs need TRITON_INTERPRET=1 (Triton's interpreter)")
-    ops = load_vllm_ops(args.ops_dir)
     folder = pathlib.Path(args.cases)
+    try:
+        ops, load_error = load_vllm_ops(args.ops_dir), None
+    except Exception as exc:  # every case then reports it
+        ops, load_error = None, exc
+    wanted = None if args.names is None else set(args.names.split(","))
     for path in sorted(folder.glob("*.in.npz")):
         name = path.name[: -len(".in.npz")]
+        if wanted is not None and name not in wanted:
+            continue
         try:
+            if load_error is not None:
+                raise load_error
             with np.load(path, allow_pickle=False) as z:
                 case = {k: z[k] for k in z.files}
             result = run_case(ops, case, args.device, args.time_iters)
