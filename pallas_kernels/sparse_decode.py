@@ -35,7 +35,8 @@ TOPK = 16  # selection slots per (token, KV head)
 NUM_SMS = 132  # H200 streaming multiprocessors: the default split count fills them
 MIN_DOT = 16  # Triton dots need M, N, K >= 16
 MAX_GROUP_ROWS = 128  # padded GQA group rows of one program (register budget)
-FILL_PROGRAMS = 128  # default decode splits: smallest with T * Hkv * splits >= this (~132 SMs)
+FILL_PROGRAMS = 256  # below ONE_SPLIT_ROWS: smallest splits with T * Hkv * splits >= this
+ONE_SPLIT_ROWS = 64  # T * Hkv at and above which one split (no merge) is the default
 SMEM_BYTES = 227 * 1024  # H200 shared memory per block: stages * K+V step bytes must fit
 KEYS_PER_STEP = (64, 128)  # keys of one decode loop step (one pipeline stage)
 LOG2E = math.log2(math.e)
@@ -76,15 +77,19 @@ def step_bytes(dtype, head_dim: int, keys_per_step: int = PAGE) -> int:
 def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
     """Launch defaults of :func:`sparse_decode` for ``num_rows = T * Hkv`` (token, KV head) rows.
 
-    From H200 measurements (bf16, D 128): ``num_splits`` is the smallest power of two <= 16 with
-    ``num_rows * splits >= 128`` (16/1 B=128: one split, 41 us, beats two, 48-54 us); 3 pipeline
-    stages while the programs fit one wave on 132 SMs, else 2 (64/4 B=128: s2 140 us, s3 145 us),
-    capped by shared memory; 4 warps; whole-page steps. Returns a dict of
+    From H200 sweeps (bf16, D 128, cold L2): with ``num_rows >= 64`` one split is best (16/1
+    B=64: 28.5 us vs 30-32 us with 2-4 splits; B=128: 41 us vs 48-54 us): fewer, longer
+    programs stream their pages with less scheduling overhead. Smaller batches need more
+    programs: the smallest power of two <= 16 with ``num_rows * splits >= 256`` (16/1 B=16:
+    13.8 us with 16 splits vs 18.1 us with 8). 3 pipeline stages while the programs fit one
+    wave on 132 SMs, else 2 (64/4 B=128: s2 137 us, s3 145 us), capped by shared memory;
+    4 warps; whole-page steps (half-page steps measured no faster). Returns a dict of
     ``num_splits, num_warps, num_stages, keys_per_step``.
     """
     splits = 1
-    while splits < TOPK and num_rows * splits < FILL_PROGRAMS:
-        splits *= 2
+    if num_rows < ONE_SPLIT_ROWS:
+        while splits < TOPK and num_rows * splits < FILL_PROGRAMS:
+            splits *= 2
     stages = 3 if num_rows * splits <= NUM_SMS else 2
     stages = max(1, min(stages, SMEM_BYTES // step_bytes(dtype, head_dim, PAGE)))
     return dict(num_splits=splits, num_warps=4, num_stages=stages, keys_per_step=PAGE)

@@ -23,6 +23,8 @@ def _specs(t, hq, hkv, *, pages=4096, rows=128, cols=512):
 
 @pytest.mark.parametrize("hq,hkv,batch,want", [
     (16, 1, 1, (16, 4, 3)), (64, 4, 1, (16, 4, 3)),     # splits fill the SMs
+    (16, 1, 16, (16, 4, 2)),                            # 256 programs: 2 stages
+    (16, 1, 64, (1, 4, 3)),                             # >= 64 rows: one split
     (16, 1, 128, (1, 4, 3)),                            # one wave: 3 x 64 KiB stages
     (64, 4, 128, (1, 4, 2)),                            # 4 waves: 2 stages
 ])
