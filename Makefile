@@ -21,7 +21,7 @@ test: install compare-env
 # Python 3.11 venv with CPU torch + triton (Triton's interpreter runs vLLM's kernels on CPU) and the
 # two op files taken from the vllm wheel into the ignored $(VLLM_OPS) with stand-ins for vLLM's
 # helpers. The main install stays as it is; `make demo` does not build any of this.
-PYTHON311 ?= $(shell command -v python3.11 >/dev/null 2>&1 && echo python3.11 || echo "$$(pyenv root)/versions/3.11.7/bin/python3.11")
+PYTHON311 ?= $(shell command -v python3.11 >/dev/null 2>&1 && echo "env PYENV_VERSION=3.11.7 python3.11" || echo "$$(pyenv root)/versions/3.11.7/bin/python3.11")
 VLLM_VENV ?= .venv-vllm
 VLLM_OPS ?= .vllm_ops
 WHEEL_CACHE ?= $(HOME)/.cache/jax-msa-runner/wheels

@@ -226,7 +226,7 @@ def _our_functions(ours: str, interpret: bool):
         return select_fn(scores, positions // PAGE + 1)
 
     def attention(mode: str):
-        return jax.jit(functools.partial(attn[mode]), static_argnames=("scale",))
+        return jax.jit(attn[mode], static_argnames=("scale",))
 
     return indexer, attention
 
