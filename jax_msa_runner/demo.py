@@ -4,15 +4,24 @@ Mixed prompt lengths (a few longer than 2048 tokens, so MSA's top-16 page select
 live), dozens of requests, tens of output tokens each; a text progress bar; then a summary:
 requests, prompt and output tokens/s, step latency p50/p99, compilations after warm-up
 (must be 0) and the metadata validation result (``--debug`` validates every step).
+
+``--dcp W`` serves with decode context parallelism over W devices (spec section 7): every
+request's context is split page-wise over the ranks, ``--num-pages`` counts pages per
+rank. On CPU the W devices are host devices: the demo adds
+``--xla_force_host_platform_device_count=W`` to ``XLA_FLAGS`` when that flag is absent
+(effective only if jax has not started its backend yet); with too few devices it prints
+which flag to set and exits with status 2.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
 
 from jax_msa_runner.config import RunnerConfig
+from jax_msa_runner.dcp_attention import DCPError
 from jax_msa_runner.kv_cache import RESERVED_PAGES, pages_needed
 from jax_msa_runner.model import ModelConfig
 from jax_msa_runner.runner import ModelRunner, serve
@@ -38,7 +47,21 @@ def add_demo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=int, default=None,
                    help="override the tiny model's layer count (layer 0 dense, others MSA)")
     g.add_argument("--debug", action="store_true", help="validate every step's metadata")
+    g.add_argument("--dcp", type=int, default=1, metavar="W",
+                   help="decode context parallel ranks (devices); on CPU host devices via "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=W")
     return parser
+
+
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def request_host_devices(world_size: int) -> None:
+    """Adds ``--xla_force_host_platform_device_count=world_size`` to XLA_FLAGS unless the
+    flag is already there (it only takes effect before jax initialises its backends)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if world_size > 1 and HOST_DEVICES_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {HOST_DEVICES_FLAG}={world_size}".strip()
 
 
 def _workload(args, vocab: int) -> list[Request]:
@@ -72,19 +95,31 @@ def run_demo(args: argparse.Namespace) -> int:
     budget = args.max_num_batched_tokens
     # few buckets keep start-up short; decode batches pad up to the next one
     sizes = tuple(s for s in (8, 32, 128, 512) if s < budget) + (budget,)
+    W = args.dcp
+    request_host_devices(W)
     rc = RunnerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-                      max_model_len=args.max_model_len, bucket_sizes=sizes)
+                      max_model_len=args.max_model_len, bucket_sizes=sizes, dcp_world_size=W)
     reqs = _workload(args, mc.vocab_size)
     num_pages = args.num_pages or (
-        len(RESERVED_PAGES) + sum(pages_needed(len(r.prompt) + r.max_new_tokens) for r in reqs))
-    runner = ModelRunner(mc, rc, num_pages=num_pages, seed=args.seed,
-                         attention_impl=args.attention_impl, debug=args.debug)
+        len(RESERVED_PAGES) + sum(pages_needed(len(r.prompt) + r.max_new_tokens, W) for r in reqs))
+    try:
+        runner = ModelRunner(mc, rc, num_pages=num_pages, seed=args.seed,
+                             attention_impl=args.attention_impl, debug=args.debug)
+    except DCPError as e:
+        print(f"error: --dcp {W}: {e}. On CPU start the process with "
+              f"XLA_FLAGS={HOST_DEVICES_FLAG}={W} (set before jax initialises).")
+        return 2
     print(f"model: {mc.num_layers} layers ({sum(mc.layer_is_msa)} MSA, "
           f"{mc.num_layers - sum(mc.layer_is_msa)} dense), hidden {mc.hidden_size}, heads "
           f"{mc.num_heads}/{mc.num_kv_heads} x {mc.head_dim}, index dim {mc.index_dim}; "
           f"attention impl: {runner.attention_impl}")
     print(f"runner: {len(runner.buckets)} buckets {[b.num_tokens for b in runner.buckets]}, "
-          f"max_num_seqs {rc.max_num_seqs}, max_model_len {rc.max_model_len}, {num_pages} KV pages")
+          f"max_num_seqs {rc.max_num_seqs}, max_model_len {rc.max_model_len}, {num_pages} KV pages"
+          + (" per rank" if W > 1 else ""))
+    if W > 1:
+        devs = runner.mesh.devices.ravel()
+        print(f"dcp: {W} ranks over {[str(d) for d in devs]} (interleave {rc.dcp_interleave}: "
+              f"block g on rank g % {W})")
     rep = runner.warm_up()
     peak = f"{rep.peak_bytes / 2**20:.1f} MiB" if rep.peak_bytes else "n/a on this backend"
     print(f"warm-up: compiled {len(rep.buckets)} buckets ({rep.compilations} XLA compilations) in "
@@ -93,7 +128,8 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{(rep.step_temp_bytes or 0) / 2**20:.1f} MiB, caches {rep.cache_bytes / 2**20:.1f} MiB")
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=rc.max_num_seqs, max_num_batched_tokens=budget,
-                                      max_model_len=rc.max_model_len, num_pages=num_pages))
+                                      max_model_len=rc.max_model_len, num_pages=num_pages,
+                                      dcp_world_size=W))
     for r in reqs:
         sched.add_request(r)
     total = len(reqs)

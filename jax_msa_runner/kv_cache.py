@@ -144,9 +144,11 @@ class BlockAllocator:
         self._free = sorted(set(self._free) | set(pages), reverse=True)
 
 
-def pages_needed(num_tokens: int) -> int:
-    """Pages covering ``num_tokens`` tokens."""
-    return -(-int(num_tokens) // PAGE_SIZE)
+def pages_needed(num_tokens: int, dcp_world_size: int = 1) -> int:
+    """Pages covering ``num_tokens`` tokens; under DCP (W ranks, interleave 128) the pages
+    each rank holds: ``ceil(num_tokens / (128 W))`` (global block g -> rank g % W, local
+    page g // W; rank 0 is the fullest)."""
+    return -(-int(num_tokens) // (PAGE_SIZE * int(dcp_world_size)))
 
 
 def block_table_row(pages: Sequence[int], max_pages: int) -> np.ndarray:

@@ -11,6 +11,15 @@ paged causal attention. The released model's MoE MLPs are replaced by one dense 
 MLP of ``intermediate_size`` (the issue asks for the attention stack).
 
 All functions are pure; params and caches are pytrees; every shape is static per bucket.
+
+Decode context parallelism (spec section 7): with ``dcp_world_size = W > 1`` the step runs
+inside a ``jax.shard_map`` over the mesh axis ``"dcp"`` (the runner builds it). Params,
+tokens and metadata are replicated, so every rank computes every token's projections; the
+caches passed to ``forward`` are the rank's own (``[N_local, ...]``): writes go only to the
+owning rank (``dcp.rank_slot_mapping``), MSA layers run the distributed indexer and the
+LSE-merged sparse decode (``dcp_attention.rank_msa_attention``), dense layers the
+LSE-merged paged attention (``rank_dense_attention``). The attention output is identical on
+every rank, hence so is the rest of the step.
 """
 from __future__ import annotations
 
@@ -23,8 +32,11 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jax_msa_runner.config import MSA_TOPK, PAGE_SIZE, ConfigError, MSAConfig
+from jax_msa_runner.dcp import rank_slot_mapping
+from jax_msa_runner.dcp_attention import DCP_AXIS, rank_dense_attention, rank_msa_attention
 from jax_msa_runner.dense_attention import paged_causal_attention
 from jax_msa_runner.kv_cache import KVCaches, init_kv_caches, write_index_k, write_kv
 from jax_msa_runner.metadata import BatchMetadata
@@ -248,10 +260,18 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict:
     return params
 
 
-def init_caches(config: ModelConfig, num_pages: int) -> KVCaches:
-    """Empty paged caches for every layer of the model."""
-    return init_kv_caches(num_pages, config.num_kv_heads, config.head_dim, config.index_dim,
-                          config.layer_is_msa, dtype=config.jnp_dtype)
+def init_caches(config: ModelConfig, num_pages: int, dcp_world_size: int = 1) -> KVCaches:
+    """Empty paged caches for every layer of the model.
+
+    dcp_world_size == 1: leaves [num_pages, ...]. W > 1: per-rank stacks [W, num_pages, ...]
+    (num_pages per rank; rank d's caches are slice d, to be sharded over "dcp").
+    """
+    caches = init_kv_caches(num_pages, config.num_kv_heads, config.head_dim, config.index_dim,
+                            config.layer_is_msa, dtype=config.jnp_dtype)
+    if dcp_world_size == 1:
+        return caches
+    return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (dcp_world_size,) + x.shape),
+                        caches)
 
 
 # ---- building blocks -------------------------------------------------------------------------
@@ -308,7 +328,8 @@ def _msa_ops(impl: str):
 def msa_layer_attention(q: jax.Array, index_q: jax.Array, kv_cache: jax.Array,
                         index_k_cache: jax.Array, md: BatchMetadata, *, scale: float,
                         attention_impl: str, attention_mode: str = "msa",
-                        init_blocks: int = 0, local_blocks: int = 1) -> jax.Array:
+                        init_blocks: int = 0, local_blocks: int = 1, dcp_world_size: int = 1,
+                        interpret: bool = False) -> jax.Array:
     """Attention of one MSA layer over the (already written) caches.
 
     q [T, Hq, D]; index_q [T, Hi, Di]; kv_cache [N, Hkv, 128, 2D]; index_k_cache [N, 128, Di].
@@ -316,16 +337,33 @@ def msa_layer_attention(q: jax.Array, index_q: jax.Array, kv_cache: jax.Array,
     with the token's own page forced, sparse attention over the selected pages with
     kv_len from seq_lens (``md.kv_lens``). ``"dense"``: dense paged causal attention on the
     same caches (the baseline MSA must equal while every position < 2048).
-    Returns [T, Hq, D] in q.dtype; padded tokens give zeros.
+    dcp_world_size W > 1: call inside a shard_map over "dcp" with the rank's caches
+    [N_local, ...] and DCP-staged metadata; the distributed indexer + LSE-merged decode
+    (needs local_blocks == 1: the token's own block is the one forced block).
+    interpret: Pallas interpret mode (attention_impl "pallas" off the GPU).
+    Returns [T, Hq, D] in q.dtype (identical on every rank under DCP); padded tokens give zeros.
     """
+    if attention_mode not in ATTENTION_MODES:
+        raise ValueError(f"attention_mode: one of {ATTENTION_MODES}, got {attention_mode!r}")
+    if dcp_world_size > 1:
+        if attention_mode == "dense":
+            return rank_dense_attention(q, kv_cache, md, world_size=dcp_world_size, scale=scale)[0]
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl: one of {ATTENTION_IMPLS}, got {attention_impl!r}")
+        if local_blocks != 1:
+            raise ConfigError(f"local_blocks: DCP forces exactly the token's own block, needs 1, "
+                              f"got {local_blocks}")
+        out, _, _ = rank_msa_attention(q, index_q, kv_cache, index_k_cache, md,
+                                       world_size=dcp_world_size, scale=scale,
+                                       use_kernels=attention_impl == "pallas",
+                                       interpret=interpret, init_blocks=init_blocks)
+        return out
     if attention_mode == "dense":
         out, _ = paged_causal_attention(q, kv_cache, md.block_table, md.req_indices, md.kv_lens,
                                         scale=scale)
         return out
-    if attention_mode != "msa":
-        raise ValueError(f"attention_mode: one of {ATTENTION_MODES}, got {attention_mode!r}")
     index_scores, topk_select, sparse_attend = _msa_ops(attention_impl)
-    extra = {"interpret": False} if attention_impl == "pallas" else {}
+    extra = {"interpret": interpret} if attention_impl == "pallas" else {}
     scores = index_scores(index_q, index_k_cache, md.block_table, md.req_indices, md.positions,
                           **extra)
     selected = topk_select(scores, md.num_valid_pages, topk=MSA_TOPK, local_blocks=local_blocks,
@@ -337,24 +375,30 @@ def msa_layer_attention(q: jax.Array, index_q: jax.Array, kv_cache: jax.Array,
 
 def _attention_block(layer: dict, x: jax.Array, kv_cache: jax.Array, index_cache, md: BatchMetadata,
                      cos, sin, *, config: ModelConfig, is_msa: bool, attention_impl: str,
-                     attention_mode: str):
+                     attention_mode: str, dcp_world_size: int, interpret: bool):
     c = config
+    W = dcp_world_size
+    # owner-only writes under DCP (slot -1 on every other rank)
+    slots = md.slot_mapping if W == 1 else rank_slot_mapping(md, W, lax.axis_index(DCP_AXIS))
     T = x.shape[0]
     q = (x @ layer["q_proj"]).reshape(T, c.num_heads, c.head_dim)
     k = (x @ layer["k_proj"]).reshape(T, c.num_kv_heads, c.head_dim)
     v = (x @ layer["v_proj"]).reshape(T, c.num_kv_heads, c.head_dim)
     q = apply_partial_rope(gemma_rms_norm(q, layer["q_norm"], c.rms_norm_eps), cos, sin)
     k = apply_partial_rope(gemma_rms_norm(k, layer["k_norm"], c.rms_norm_eps), cos, sin)
-    kv_cache = write_kv(kv_cache, k, v, md.slot_mapping)
+    kv_cache = write_kv(kv_cache, k, v, slots)
     if is_msa:
         iq = (x @ layer["index_q_proj"]).reshape(T, c.num_index_heads, c.index_dim)
         ik = (x @ layer["index_k_proj"]).reshape(T, 1, c.index_dim)
         iq = apply_partial_rope(gemma_rms_norm(iq, layer["index_q_norm"], c.rms_norm_eps), cos, sin)
         ik = apply_partial_rope(gemma_rms_norm(ik, layer["index_k_norm"], c.rms_norm_eps), cos, sin)
-        index_cache = write_index_k(index_cache, ik[:, 0], md.slot_mapping)
+        index_cache = write_index_k(index_cache, ik[:, 0], slots)
         attn = msa_layer_attention(q, iq, kv_cache, index_cache, md, scale=c.scale,
                                    attention_impl=attention_impl, attention_mode=attention_mode,
-                                   init_blocks=c.init_blocks, local_blocks=c.local_blocks)
+                                   init_blocks=c.init_blocks, local_blocks=c.local_blocks,
+                                   dcp_world_size=W, interpret=interpret)
+    elif W > 1:
+        attn, _ = rank_dense_attention(q, kv_cache, md, world_size=W, scale=c.scale)
     else:
         attn, _ = paged_causal_attention(q, kv_cache, md.block_table, md.req_indices, md.kv_lens,
                                          scale=c.scale)
@@ -364,11 +408,15 @@ def _attention_block(layer: dict, x: jax.Array, kv_cache: jax.Array, index_cache
 
 def forward(params: dict, caches: KVCaches, token_ids: jax.Array, md: BatchMetadata, *,
             config: ModelConfig, attention_impl: str = "reference",
-            attention_mode: str = "msa") -> tuple[jax.Array, KVCaches]:
+            attention_mode: str = "msa", dcp_world_size: int = 1,
+            interpret: bool = False) -> tuple[jax.Array, KVCaches]:
     """Run the stack on one step's tokens, writing their K/V (and index K) into the caches.
 
     token_ids [T] int32 (padding arbitrary); md: the step's staged metadata.
-    Returns (hidden [T, hidden] after the final norm, updated caches).
+    dcp_world_size (static) W > 1: call inside a shard_map over "dcp"; caches are this
+    rank's (leaves [N_local, ...]), md is staged with the same W (rank-local block table).
+    interpret: Pallas interpret mode for attention_impl "pallas" (CPU).
+    Returns (hidden [T, hidden] after the final norm (replicated under DCP), updated caches).
     """
     c = config
     x = params["embed"][token_ids]
@@ -378,7 +426,8 @@ def forward(params: dict, caches: KVCaches, token_ids: jax.Array, md: BatchMetad
         h = gemma_rms_norm(x, layer["input_norm"], c.rms_norm_eps)
         attn, kv_i, idx_i = _attention_block(layer, h, caches.kv[i], caches.index_k[i], md, cos, sin,
                                              config=c, is_msa=is_msa, attention_impl=attention_impl,
-                                             attention_mode=attention_mode)
+                                             attention_mode=attention_mode,
+                                             dcp_world_size=dcp_world_size, interpret=interpret)
         x = x + attn
         h = gemma_rms_norm(x, layer["post_attention_norm"], c.rms_norm_eps)
         x = x + swigluoai(h @ layer["gate_up_proj"], c.swiglu_alpha, c.swiglu_limit) @ layer["down_proj"]

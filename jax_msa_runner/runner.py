@@ -12,10 +12,19 @@ runs a profiling pass at the largest bucket (mixed dummy batch, every row at
 max_model_len) and reports peak memory. Serving calls only those compiled executables, so
 it cannot compile; ``CompileCounter`` (a ``jax.monitoring`` listener on XLA backend
 compiles, process-wide) proves it.
+
+Decode context parallelism (``rconfig.dcp_world_size = W > 1``, spec section 7): the runner
+serves over a 1-D mesh of W devices (``dcp_attention.mesh_for_config``; DCPError when there
+are fewer devices). The whole step runs inside one ``jax.shard_map`` over "dcp": params and
+the host buffer are replicated, every cache leaf is a per-rank stack [W, N_local, ...]
+sharded over "dcp" (rank d holds its rank-local pages of every request: ``num_pages`` is
+per rank), and the sampled tokens come back replicated. The scheduler hands out rank-local
+page ids (the same ids on every rank, ``SchedulerConfig.dcp_world_size``).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from typing import Callable
@@ -23,9 +32,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_msa_runner.buckets import Bucket, make_buckets, select_bucket
 from jax_msa_runner.config import RunnerConfig
+from jax_msa_runner.dcp_attention import DCP_AXIS, check_config_mesh, mesh_for_config
 from jax_msa_runner.kv_cache import KVCaches
 from jax_msa_runner.metadata import BatchMetadata
 from jax_msa_runner.model import (ATTENTION_IMPLS, ModelConfig, compute_logits,
@@ -111,13 +122,10 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, seeds: jax.Array,
     return jnp.where(temperature > 0, drawn, greedy)
 
 
-def serve_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
-               rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str
-               ) -> tuple[jax.Array, KVCaches, BatchMetadata]:
-    """One serving step for ``bucket`` (static). host_buf int32 [host_buffer_size(bucket)].
-
-    Returns (next_tokens int32 [R] (-1 on padded rows), updated caches, the staged metadata).
-    """
+def _step_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
+               rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str, interpret: bool
+               ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
+    """One step on one device or one DCP rank (caches: the rank's own, leaves [N, ...])."""
     R, T = bucket.num_reqs, bucket.num_tokens
     o = packed_size(bucket)
     md = stage_packed(host_buf[:o], bucket, rconfig)
@@ -126,14 +134,47 @@ def serve_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: B
     sample_index = host_buf[o + T + R:o + T + 2 * R]
     temperature = jax.lax.bitcast_convert_type(host_buf[o + T + 2 * R:], jnp.float32)
     hidden, caches = forward(params, caches, tokens, md, config=mconfig,
-                             attention_impl=attention_impl)
+                             attention_impl=attention_impl,
+                             dcp_world_size=rconfig.dcp_world_size, interpret=interpret)
     last = jnp.clip(md.query_start_loc[1:] - 1, 0, T - 1)  # last token of each row
     logits = compute_logits(params, hidden[last], mconfig)
     nxt = sample_tokens(logits, temperature, seeds, sample_index)
-    return jnp.where(md.req_mask, nxt, -1), caches, md
+    return jnp.where(md.req_mask, nxt, -1), logits, caches, md
 
 
-_serve_step_jit = jax.jit(serve_step, static_argnames=("bucket", "rconfig", "mconfig", "attention_impl"),
+def serve_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
+               rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
+               interpret: bool = False, mesh: Mesh | None = None
+               ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
+    """One serving step for ``bucket`` (static). host_buf int32 [host_buffer_size(bucket)].
+
+    Without DCP (rconfig.dcp_world_size == 1, mesh None) caches are leaves [N, ...]. With
+    DCP, mesh is the "dcp" mesh of W devices and caches are per-rank stacks [W, N_local, ...]
+    sharded over it; the step runs in one shard_map (params, host_buf replicated).
+    Returns (next_tokens int32 [R] (-1 on padded rows), logits f32 [R, V] of each row's
+    last token, updated caches, the staged metadata); all but the caches replicated.
+    """
+    body = functools.partial(_step_body, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
+                             attention_impl=attention_impl, interpret=interpret)
+    if rconfig.dcp_world_size == 1:
+        return body(params, caches, host_buf)
+    if mesh is None:
+        raise ValueError(f"mesh: dcp_world_size={rconfig.dcp_world_size} needs the 'dcp' mesh")
+    check_config_mesh(rconfig, mesh)
+
+    def per_rank(params, caches, host_buf):
+        nxt, logits, local, md = body(params, jax.tree.map(lambda x: x[0], caches), host_buf)
+        return nxt, logits, jax.tree.map(lambda x: x[None], local), md
+
+    # check_vma=False: the Pallas calls / fori_loops carry no varying-axis types; the
+    # replicated outputs derive from all_gather / pmax / psum results only.
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(DCP_AXIS), P()),
+                         out_specs=(P(), P(), P(DCP_AXIS), P()), check_vma=False,
+                         )(params, caches, host_buf)
+
+
+_serve_step_jit = jax.jit(serve_step, static_argnames=("bucket", "rconfig", "mconfig",
+                                                       "attention_impl", "interpret", "mesh"),
                           donate_argnames=("caches",))
 
 
@@ -148,7 +189,7 @@ class WarmupReport:
     profile_seconds: float
     peak_bytes: int | None  # device allocator peak (GPU), None where the backend has no stats
     step_temp_bytes: int | None  # XLA's temp allocation of the largest bucket's step
-    cache_bytes: int
+    cache_bytes: int  # all layers' caches, summed over the DCP ranks
     param_bytes: int
 
 
@@ -157,22 +198,39 @@ def _nbytes(tree) -> int:
 
 
 class ModelRunner:
-    """Holds params, caches and one compiled executable per bucket."""
+    """Holds params, caches and one compiled executable per bucket.
+
+    num_pages: KV pages of the cache (per rank under DCP). With rconfig.dcp_world_size W > 1
+    the runner serves over the first W devices (``mesh``); raises DCPError when fewer exist.
+    interpret: Pallas interpret mode; default True exactly for attention_impl "pallas" off
+    the GPU. ``last_logits`` holds the latest step's logits f32 [R_bucket, V] (on device).
+    """
 
     def __init__(self, mconfig: ModelConfig, rconfig: RunnerConfig, *, num_pages: int,
                  params: dict | None = None, seed: int = 0, attention_impl: str | None = None,
-                 debug: bool = False):
-        if rconfig.dcp_world_size != 1:
-            raise ValueError("dcp_world_size: the single-device runner needs 1, got "
-                             f"{rconfig.dcp_world_size}")
+                 debug: bool = False, interpret: bool | None = None):
         self.attention_impl = attention_impl or default_attention_impl()
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl: one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        self.interpret = (self.attention_impl == "pallas" and jax.default_backend() != "gpu"
+                          if interpret is None else bool(interpret))
+        W = rconfig.dcp_world_size
+        self.mesh = mesh_for_config(rconfig) if W > 1 else None  # DCPError: too few devices
         self.mconfig, self.rconfig, self.debug = mconfig, rconfig, debug
         self.buckets = make_buckets(rconfig)
-        self.params = params if params is not None else init_params(mconfig, seed)
-        self.caches = init_caches(mconfig, num_pages)
+        params = params if params is not None else init_params(mconfig, seed)
+        if W == 1:
+            self._replicated = None
+            self.params = params
+            self.caches = init_caches(mconfig, num_pages)
+        else:
+            self._replicated = NamedSharding(self.mesh, P())
+            self.params = jax.device_put(params, self._replicated)
+            # each rank allocates its own shard (no [W, N, ...] stack on one device)
+            self.caches = jax.jit(functools.partial(init_caches, mconfig, num_pages, W),
+                                  out_shardings=NamedSharding(self.mesh, P(DCP_AXIS)))()
         self.num_pages = num_pages
+        self.last_logits: jax.Array | None = None
         self._compiled: dict[Bucket, Callable] = {}
         self.validated_steps = 0
 
@@ -190,8 +248,13 @@ class ModelRunner:
         return pack_step_inputs(packed, np.zeros(int(sched.sum()), np.int32), np.zeros(n, np.int32),
                                 np.zeros(n, np.int32), np.zeros(n, np.float32), bucket)
 
+    def _put(self, buf: np.ndarray) -> jax.Array:
+        """The host buffer on the device (replicated over the mesh under DCP)."""
+        return jax.device_put(buf, self._replicated)
+
     def _run(self, bucket: Bucket, buf: np.ndarray):
-        nxt, self.caches, md = self._compiled[bucket](self.params, self.caches, jax.device_put(buf))
+        nxt, self.last_logits, self.caches, md = self._compiled[bucket](
+            self.params, self.caches, self._put(buf))
         return nxt, md
 
     def warm_up(self) -> WarmupReport:
@@ -200,10 +263,11 @@ class ModelRunner:
         with CompileCounter() as cc:
             for bucket in self.buckets:
                 buf = self._dummy_buffer(bucket, "default", None)
-                lowered = _serve_step_jit.lower(self.params, self.caches, jax.device_put(buf),
+                lowered = _serve_step_jit.lower(self.params, self.caches, self._put(buf),
                                                 bucket=bucket, rconfig=self.rconfig,
                                                 mconfig=self.mconfig,
-                                                attention_impl=self.attention_impl)
+                                                attention_impl=self.attention_impl,
+                                                interpret=self.interpret, mesh=self.mesh)
                 self._compiled[bucket] = lowered.compile()
                 nxt, md = self._run(bucket, buf)  # the "capture" run
                 if self.debug:

@@ -11,6 +11,12 @@ keys depend only on (seed, output index), so a recomputed request samples the sa
 
 Requests that can never be served (longer than max_model_len, or needing more pages than
 the cache has) are rejected at ``add_request`` with ``RequestRejectedError``.
+
+Decode context parallelism (``dcp_world_size = W > 1``): every rank holds its own cache of
+``num_pages`` pages. A request owning L tokens needs ``ceil(L / (128 W))`` rank-local pages
+(global block g lives on rank g % W as local block g // W); its page list is rank-local and
+the same on every rank (one allocator models the W identical per-rank pools), which is the
+block-table row staging expects under DCP.
 """
 from __future__ import annotations
 
@@ -65,7 +71,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int  # token budget of one step (<= the largest bucket)
     max_model_len: int
-    num_pages: int  # physical pages incl. the reserved ones
+    num_pages: int  # physical pages incl. the reserved ones (per rank under DCP)
+    dcp_world_size: int = 1  # W ranks: requests hold ceil(L / (128 W)) rank-local pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +110,8 @@ class Scheduler:
     """Continuous batching over a ``BlockAllocator``; pure host Python, deterministic."""
 
     def __init__(self, config: SchedulerConfig):
+        if config.dcp_world_size < 1:
+            raise ValueError(f"dcp_world_size: must be >= 1, got {config.dcp_world_size}")
         self.config = config
         self.allocator = BlockAllocator(config.num_pages)
         self.waiting: deque[Request] = deque()
@@ -127,11 +136,14 @@ class Scheduler:
             raise RequestRejectedError(
                 f"request {request.request_id}: prompt {len(request.prompt)} + max_new_tokens "
                 f"{request.max_new_tokens} = {total} tokens exceeds max_model_len={c.max_model_len}")
-        need = pages_needed(total - 1)  # the last sampled token is never written to the cache
+        # the last sampled token is never written to the cache
+        need = pages_needed(total - 1, c.dcp_world_size)
         if need > self.allocator.num_usable:
+            per_rank = f" per rank (dcp_world_size={c.dcp_world_size})" if c.dcp_world_size > 1 else ""
             raise RequestRejectedError(
-                f"request {request.request_id}: needs {need} KV pages but the cache has only "
-                f"{self.allocator.num_usable} usable pages (num_pages={c.num_pages}); it can never fit")
+                f"request {request.request_id}: needs {need} KV pages{per_rank} but the cache has "
+                f"only {self.allocator.num_usable} usable pages (num_pages={c.num_pages}); it can "
+                f"never fit")
         request.prompt = tuple(int(t) for t in request.prompt)
         request.status = Status.WAITING
         self._ids.add(request.request_id)
@@ -153,7 +165,7 @@ class Scheduler:
 
     def _grow(self, req: Request, n: int) -> bool:
         """Give ``req`` the pages for ``n`` more tokens; False if not enough are free."""
-        need = pages_needed(req.num_computed + n) - len(req.pages)
+        need = pages_needed(req.num_computed + n, self.config.dcp_world_size) - len(req.pages)
         if not self.allocator.can_allocate(need):
             return False
         req.pages.extend(self.allocator.allocate(need))

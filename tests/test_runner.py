@@ -11,6 +11,7 @@ import pytest
 
 from jax_msa_runner.buckets import Bucket
 from jax_msa_runner.config import RunnerConfig
+from jax_msa_runner.dcp_attention import DCPError
 from jax_msa_runner.model import ModelConfig
 from jax_msa_runner.runner import (CompileCounter, ModelRunner, host_buffer_size, pack_step_inputs,
                                    sample_tokens)
@@ -67,8 +68,9 @@ def test_compile_counter_sees_compiles_and_cache_hits():
 
 def test_runner_rejects_bad_setup():
     mc = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1))
-    with pytest.raises(ValueError, match="dcp_world_size"):
-        ModelRunner(mc, RunnerConfig(dcp_world_size=2, max_model_len=1024), num_pages=8)
+    n = len(jax.devices())  # DCP runs over the available devices; one rank more is an error
+    with pytest.raises(DCPError, match=f"dcp_world_size: {n + 1} ranks need {n + 1} devices"):
+        ModelRunner(mc, RunnerConfig(dcp_world_size=n + 1, max_model_len=1024), num_pages=8)
     with pytest.raises(ValueError, match="attention_impl"):
         ModelRunner(mc, RunnerConfig(), num_pages=8, attention_impl="cuda")
     r = ModelRunner(mc, RunnerConfig(), num_pages=8)
