@@ -13,6 +13,8 @@ Measured on this workload: min greedy margin 0.043, max |logit diff| 1.8e-6 (W=2
 (W=4), max |cache diff| 2.6e-6. Also: preemption with rank-local pages, one W=2 run through
 the Pallas kernels (interpret mode), and the error for more ranks than devices.
 """
+import os
+
 import chex
 import jax
 import numpy as np
@@ -22,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_msa_runner.config import RunnerConfig
 from jax_msa_runner.dcp_attention import DCP_AXIS, DCPError
+from jax_msa_runner.demo import HOST_DEVICES_FLAG, main as demo_main, request_host_devices
 from jax_msa_runner.kv_cache import RESERVED_PAGES, pages_needed
 from jax_msa_runner.model import ModelConfig
 from jax_msa_runner.runner import CompileCounter, ModelRunner
@@ -197,6 +200,22 @@ def test_more_ranks_than_devices_is_a_clear_error():
     with pytest.raises(DCPError, match=f"dcp_world_size: {n + 1} ranks need {n + 1} devices, "
                                        f"only {n} available"):
         ModelRunner(MC, _rconfig(n + 1), num_pages=8, attention_impl="reference")
+
+
+def test_demo_dcp_flag_sets_host_devices_or_names_the_flag(monkeypatch, capsys):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
+    request_host_devices(1)  # no DCP: untouched
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1"
+    request_host_devices(3)
+    assert os.environ["XLA_FLAGS"] == f"--xla_cpu_foo=1 {HOST_DEVICES_FLAG}=3"
+    request_host_devices(5)  # a flag already given is the user's choice: kept
+    assert os.environ["XLA_FLAGS"] == f"--xla_cpu_foo=1 {HOST_DEVICES_FLAG}=3"
+    # jax already runs on len(jax.devices()) devices here: one rank more is refused clearly
+    n = len(jax.devices())
+    assert demo_main(["--dcp", str(n + 1), "--num-requests", "2"]) == 2
+    out = capsys.readouterr().out
+    assert f"{n + 1} ranks need {n + 1} devices" in out
+    assert f"XLA_FLAGS={HOST_DEVICES_FLAG}={n + 1}" in out
 
 
 def test_scheduler_allocates_rank_local_pages():
