@@ -26,7 +26,7 @@ from jax_msa_runner.staging import stage_batch, stage_dummy_batch
 from jax_msa_runner.validate import validate_metadata
 from pallas_kernels import (msa_attention, msa_attention_reference, msa_index_scores_reference,
                             sparse_topk_select_reference)
-from tests.conftest import INTERPRET
+from conftest import INTERPRET
 
 PAGE = 128
 HQ, HKV, D, DI = 8, 2, 16, 16

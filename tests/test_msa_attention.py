@@ -9,7 +9,7 @@ from jax_msa_runner.config import RunnerConfig
 from jax_msa_runner.staging import stage_batch
 from jax_msa_runner.validate import MetadataInvariantError, validate_metadata
 from pallas_kernels import msa_attention, msa_attention_reference
-from tests.conftest import INTERPRET
+from conftest import INTERPRET
 
 PAGE = 128
 HQ, HKV, D, DI = 16, 1, 64, 32

@@ -178,6 +178,24 @@ def tolerances(dtype):
         return (2e-5, 2e-5) if INTERPRET else (1e-2, 1e-2)  # TF32 dots on the GPU
     return 3e-2, 2e-3
 
+def assert_matches_reference_and_oracle(batch, out, lse, reference, scale, dtype):
+    """Shapes, dtypes and finiteness of (out, lse), then equality with `reference` (the jnp
+    reference of the kernel) and with the float64 oracle (each token attends exactly its
+    kept blocks), at the dtype's tolerances."""
+    t, hq, d = batch.q.shape
+    chex.assert_shape(out, (t, hq, d))
+    chex.assert_shape(lse, (t, hq))
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    chex.assert_tree_all_finite(out)
+    atol, lse_atol = tolerances(dtype)
+    ref_out, ref_lse = reference(*batch.args(), scale=scale)
+    chex.assert_trees_all_close(out.astype(jnp.float32), ref_out.astype(jnp.float32),
+                                atol=atol, rtol=atol)
+    chex.assert_trees_all_close(lse, ref_lse, atol=lse_atol, rtol=lse_atol)
+    o_out, o_lse = oracle(batch, scale)
+    np.testing.assert_allclose(np.asarray(out, np.float64), o_out, atol=atol, rtol=atol)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), o_lse, atol=lse_atol, rtol=lse_atol)
+
 
 DECODE_REQS = (
     Req(1), Req(127), Req(128), Req(129), Req(2047), Req(2048), Req(2049), Req(4500),
@@ -202,22 +220,9 @@ def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits, ke
     args = batch.args()
     out, lse = sparse_decode(*args, scale=scale, interpret=INTERPRET, num_splits=num_splits,
                              keys_per_step=keys_per_step)
-    t, hq = batch.q.shape[:2]
-    chex.assert_shape(out, (t, hq, d))
-    chex.assert_shape(lse, (t, hq))
-    assert out.dtype == dtype and lse.dtype == jnp.float32
-    chex.assert_tree_all_finite(out)
+    assert_matches_reference_and_oracle(batch, out, lse, sparse_decode_reference, scale, dtype)
+    t = batch.q.shape[0]
     atol, lse_atol = tolerances(dtype)
-
-    ref_out, ref_lse = sparse_decode_reference(*args, scale=scale)
-    chex.assert_trees_all_close(out.astype(jnp.float32), ref_out.astype(jnp.float32),
-                                atol=atol, rtol=atol)
-    chex.assert_trees_all_close(lse, ref_lse, atol=lse_atol, rtol=lse_atol)
-
-    # independent oracle: each token attends exactly its kept (valid, consumed) blocks
-    o_out, o_lse = oracle(batch, scale)
-    np.testing.assert_allclose(np.asarray(out, np.float64), o_out, atol=atol, rtol=atol)
-    np.testing.assert_allclose(np.asarray(lse, np.float64), o_lse, atol=lse_atol, rtol=lse_atol)
 
     # padded rows and the all -1 row: zeros and lse -inf
     empty = [i for i in range(t) if not any(batch.kept[i])]

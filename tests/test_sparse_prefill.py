@@ -16,8 +16,8 @@ import pytest
 from conftest import INTERPRET
 from pallas_kernels.sparse_decode import TOPK, sparse_decode
 from pallas_kernels.sparse_prefill import sparse_prefill, sparse_prefill_reference, tile_page_union
-from test_sparse_decode import (Req, _small_args, build_batch, dense_causal_attention, oracle,
-                                tolerances)
+from test_sparse_decode import (Req, _small_args, assert_matches_reference_and_oracle,
+                                build_batch, dense_causal_attention, tolerances)
 
 PREFILL_REQS = (Req(2064, q_len=34), Req(9, q_len=9), Req(305, q_len=5, edit="minus1"),
                 Req(600, q_len=2, edit="dup"))
@@ -34,21 +34,8 @@ def test_prefill_matches_reference_oracle_dense_and_decode(dtype, hkv, d, tokens
     args = batch.args()
     out, lse = sparse_prefill(*args, scale=scale, interpret=INTERPRET,
                               tokens_per_tile=tokens_per_tile, num_splits=num_splits)
-    t, hq = batch.q.shape[:2]
-    chex.assert_shape(out, (t, hq, d))
-    chex.assert_shape(lse, (t, hq))
-    assert out.dtype == dtype and lse.dtype == jnp.float32
-    chex.assert_tree_all_finite(out)
+    assert_matches_reference_and_oracle(batch, out, lse, sparse_prefill_reference, scale, dtype)
     atol, lse_atol = tolerances(dtype)
-
-    ref_out, ref_lse = sparse_prefill_reference(*args, scale=scale)
-    chex.assert_trees_all_close(out.astype(jnp.float32), ref_out.astype(jnp.float32),
-                                atol=atol, rtol=atol)
-    chex.assert_trees_all_close(lse, ref_lse, atol=lse_atol, rtol=lse_atol)
-
-    o_out, o_lse = oracle(batch, scale)
-    np.testing.assert_allclose(np.asarray(out, np.float64), o_out, atol=atol, rtol=atol)
-    np.testing.assert_allclose(np.asarray(lse, np.float64), o_lse, atol=lse_atol, rtol=lse_atol)
 
     np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0.0)  # padded tokens
     np.testing.assert_array_equal(np.asarray(lse[-3:]), -np.inf)
