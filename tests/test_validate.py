@@ -95,5 +95,9 @@ def test_shape_mismatch(md):
 
 
 def test_host_numpy_metadata_accepted(md):
+    """numpy-backed metadata is checked like device metadata: valid passes, corrupt fails."""
     host = md.replace(**{k: np.asarray(v) for k, v in md.items()})
-    validate_metadata(host, CFG)
+    assert validate_metadata(host, CFG) is None
+    bad = host.replace(positions=np.where(host.token_mask, host.positions + 1, 0))
+    with pytest.raises(MetadataInvariantError, match="positions|page count"):
+        validate_metadata(bad, CFG)
