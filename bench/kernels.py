@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.index_scores import msa_index_scores  # noqa: E402
-from pallas_kernels.sparse_decode import PAGE_LOOKUPS, sparse_decode  # noqa: E402
+from pallas_kernels.sparse_decode import sparse_decode  # noqa: E402
 from pallas_kernels.topk_select import msa_index_select  # noqa: E402
 
 PAGE = 128
@@ -254,8 +254,7 @@ def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int) -> dict
     return row
 
 
-def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int,
-                with_indexer: bool = True) -> list[dict]:
+def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int) -> list[dict]:
     """Times the kernels' launch tunables on one shape (median us per config)."""
     x = make_inputs(shape, seed)
     selected = jax.block_until_ready(jax.jit(our_indexer)(x))
@@ -267,7 +266,7 @@ def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int,
         except Exception as e:  # e.g. a configuration that exceeds shared memory
             rows.append({"kernel": kernel, **kw, "err": repr(e)[:200]})
 
-    # (page_lookup, keys_per_step, num_splits, num_warps, num_stages): 2 x 21 configs. Stages must fit 227 KiB:
+    # (keys_per_step, num_splits, num_warps, num_stages): 21 configs. Stages must fit 227 KiB:
     # 128 keys = 64 KiB/stage (<= 3), 64 keys = 32 KiB/stage (<= 6; <= 3 -> 2 programs/SM).
     decode_grid = (
         [(128, sp, 4, st) for sp in (1, 2, 4) for st in (2, 3)]
@@ -275,14 +274,12 @@ def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int,
         + [(64, 1, w, st) for w in (4, 8) for st in (3, 4, 6)]
         + [(64, 2, 4, 3), (64, 2, 4, 4), (64, 2, 8, 3), (64, 4, 4, 3), (64, 8, 4, 3)]
         + [(kps, 16, 4, 2) for kps in (64, 128)])
-    decode_grid = [(lookup, *cfg) for lookup in PAGE_LOOKUPS for cfg in decode_grid]
-    for lookup, kps, splits, warps, stages in decode_grid:
-        kw = dict(page_lookup=lookup, keys_per_step=kps, num_splits=splits, num_warps=warps,
-                  num_stages=stages)
+    for kps, splits, warps, stages in decode_grid:
+        kw = dict(keys_per_step=kps, num_splits=splits, num_warps=warps, num_stages=stages)
         timed("decode", jax.jit(lambda x, sel, kw=kw: sparse_decode(
             x["q"], x["kv"], sel, x["block_table"], x["req_indices"], x["kv_lens"],
             scale=HEAD_DIM ** -0.5, **kw)), (x, selected), kw)
-    for ppp in (4, 8, 16, 32) if with_indexer else ():
+    for ppp in (4, 8, 16, 32):
         for warps in (4, 8):
             for stages in (2, 3):
                 kw = dict(pages_per_program=ppp, num_warps=warps, num_stages=stages)
@@ -354,7 +351,6 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shapes", default="all", help="'all' or a comma list of indices")
     p.add_argument("--sweep", default="", help="comma list of shape indices to sweep tunables on")
-    p.add_argument("--sweep-decode-only", action="store_true", help="skip the indexer sweep")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     ops = load_vllm(args.vllm_ops)
@@ -374,8 +370,7 @@ def main(argv=None) -> int:
         result["sweep"] = {}
         for i in args.sweep.split(","):
             sh = all_shapes()[int(i)]
-            rows = sweep_shape(sh, reps=args.reps, trials=args.trials, seed=args.seed,
-                               with_indexer=not args.sweep_decode_only)
+            rows = sweep_shape(sh, reps=args.reps, trials=args.trials, seed=args.seed)
             result["sweep"][str(sh)] = rows
             for kernel in ("decode", "index_scores"):
                 ok = sorted((r for r in rows if r["kernel"] == kernel and "us" in r),

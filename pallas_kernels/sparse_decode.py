@@ -39,7 +39,6 @@ FILL_PROGRAMS = 256  # below ONE_SPLIT_ROWS: smallest splits with T * Hkv * spli
 ONE_SPLIT_ROWS = 64  # T * Hkv at and above which one split (no merge) is the default
 SMEM_BYTES = 227 * 1024  # H200 shared memory per block: stages * K+V step bytes must fit
 KEYS_PER_STEP = (64, 128)  # keys of one decode loop step (one pipeline stage)
-PAGE_LOOKUPS = ("vector", "scalar")  # how the loop finds its page ids (see _decode_kernel)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASK = -1e30  # finite mask value for scores (base-2 units)
@@ -259,15 +258,9 @@ def compact_slots(ok):
 
 def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_ref, *,
                    num_splits, keys_per_step, head_dim, num_pages, num_rows, num_cols,
-                   scale_log2, page_lookup):
+                   scale_log2):
     """One (token, kv head, split): ``q_ref [M,D]``, ``sel_ref [16]``, whole ``kv_ref``,
-    ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D]``, ``lse_ref [M]``.
-
-    page_lookup "vector": the 16 page ids are gathered and the valid slots compacted before
-    the loop, which runs over valid slots only and picks its page from registers.
-    page_lookup "scalar": the loop runs over the n_use consumed slots and reads each slot's id
-    and page id with scalar loads (the boundary applied per slot; an invalid slot loads block
-    0 of the request and is fully masked)."""
+    ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D]``, ``lse_ref [M]``."""
     t = pl.program_id(0)
     h = pl.program_id(1)
     split = pl.program_id(2)
@@ -277,54 +270,35 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
     n_use = jnp.minimum(n_blocks, TOPK)
     q = q_ref[...]
     rows = q.shape[0]
+    # All 16 slots at once, outside the loop: boundary, one gather of the page ids, compaction
+    # of the valid slots, so the loop body holds no dependent scalar loads (its K/V loads can be
+    # pipelined) and runs over valid slots only.
+    slot = jnp.arange(TOPK, dtype=jnp.int32)
+    raw = sel_ref[...]                                    # [16]
+    ok_vec = (slot < n_use) & (raw >= 0) & (raw < jnp.minimum(n_blocks, num_cols))
+    blk_vec = jnp.where(ok_vec, raw, 0)                   # boundary: before the table read
+    page_vec = jnp.clip(bt_ref[row, blk_vec], 0, num_pages - 1)
+    pos_vec, n_valid = compact_slots(ok_vec)
+    chunk = (n_valid + num_splits - 1) // num_splits
+    first = split * chunk
+    n_slots = jnp.clip(n_valid - first, 0, chunk)
     steps_per_slot = PAGE // keys_per_step
     keys = jnp.arange(keys_per_step, dtype=jnp.int32)
 
-    def slot_and_start(i):
+    def body(i, carry):
         if steps_per_slot == 1:
-            return i, 0
-        j = jax.lax.div(i, steps_per_slot)
-        return j, (i - j * steps_per_slot) * keys_per_step
-
-    def attend(carry, page, blk, ok, start):
+            j, start = i, 0
+        else:
+            j = jax.lax.div(i, steps_per_slot)
+            start = (i - j * steps_per_slot) * keys_per_step
+        pick = pos_vec == first + j                       # register "indexing": one-hot sum
+        page = jnp.sum(jnp.where(pick, page_vec, 0))
+        blk = jnp.sum(jnp.where(pick, blk_vec, 0))
+        hit = jnp.sum(pick.astype(jnp.int32)) > 0         # always true: no step past n_valid
         k = kv_ref[page, h, pl.ds(start, keys_per_step), pl.ds(0, head_dim)]
         v = kv_ref[page, h, pl.ds(start, keys_per_step), pl.ds(head_dim, head_dim)]
-        key_ok = (ok & (blk * PAGE + start + keys < kv_len))[None, :]  # [1,K]: all rows
+        key_ok = (hit & (blk * PAGE + start + keys < kv_len))[None, :]  # [1,K]: all rows
         return online_softmax_step(carry, q, k, v, key_ok, scale_log2)
-
-    if page_lookup == "scalar":
-        chunk = (n_use + num_splits - 1) // num_splits
-        first = split * chunk
-        n_slots = jnp.clip(n_use - first, 0, chunk)
-
-        def body(i, carry):
-            j, start = slot_and_start(i)
-            raw = sel_ref[first + j]
-            ok = (raw >= 0) & (raw < jnp.minimum(n_blocks, num_cols))
-            blk = jnp.where(ok, raw, 0)                   # boundary: before the table read
-            page = jnp.clip(bt_ref[row, blk], 0, num_pages - 1)
-            return attend(carry, page, blk, ok, start)
-    else:
-        # All 16 slots at once, outside the loop: boundary, one gather of the page ids,
-        # compaction of the valid slots, so the loop body holds no dependent scalar loads and
-        # runs over valid slots only.
-        slot = jnp.arange(TOPK, dtype=jnp.int32)
-        raw = sel_ref[...]                                # [16]
-        ok_vec = (slot < n_use) & (raw >= 0) & (raw < jnp.minimum(n_blocks, num_cols))
-        blk_vec = jnp.where(ok_vec, raw, 0)               # boundary: before the table read
-        page_vec = jnp.clip(bt_ref[row, blk_vec], 0, num_pages - 1)
-        pos_vec, n_valid = compact_slots(ok_vec)
-        chunk = (n_valid + num_splits - 1) // num_splits
-        first = split * chunk
-        n_slots = jnp.clip(n_valid - first, 0, chunk)
-
-        def body(i, carry):
-            j, start = slot_and_start(i)
-            pick = pos_vec == first + j                   # register "indexing": one-hot sum
-            page = jnp.sum(jnp.where(pick, page_vec, 0))
-            blk = jnp.sum(jnp.where(pick, blk_vec, 0))
-            hit = jnp.sum(pick.astype(jnp.int32)) > 0     # always true: no step past n_valid
-            return attend(carry, page, blk, hit, start)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK, jnp.float32),
@@ -336,10 +310,10 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_warps",
-                                             "num_stages", "keys_per_step", "page_lookup"))
+                                             "num_stages", "keys_per_step"))
 def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                   interpret=False, num_splits=None, num_warps=None, num_stages=None,
-                  keys_per_step=None, page_lookup="vector"):
+                  keys_per_step=None):
     """MSA sparse decode (spec section 4) with the kernel safety boundary.
 
     Args:
@@ -353,8 +327,6 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
       num_splits: split-K factor in {1, 2, 4, 8, 16}; keys_per_step: keys per loop step (one
         pipeline stage of ``keys_per_step * 2D`` elements) in {64, 128}; num_warps,
         num_stages: Triton launch tunables (``num_stages * stage bytes`` must fit 227 KiB).
-        page_lookup: "vector" (valid slots compacted up front, invalid slots load nothing)
-        or "scalar" (per-slot scalar loads of the id and page id, invalid slots masked).
         Each ``None`` takes :func:`default_decode_config` (bf16 D=128, T*Hkv=128: 1 split,
         4 warps, 3 stages, 128 keys).
     Returns:
@@ -372,7 +344,6 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     _check_tunable("keys_per_step", "sparse_decode", kps, KEYS_PER_STEP)
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     _check_tunable("num_warps", "sparse_decode", num_warps, (1, 2, 4, 8, 16))
-    _check_tunable("page_lookup", "sparse_decode", page_lookup, PAGE_LOOKUPS)
     stage = step_bytes(q.dtype, d, kps)
     if num_stages is None:  # the default depth, re-capped for the chosen step size
         num_stages = max(1, min(cfg["num_stages"], SMEM_BYTES // stage))
@@ -389,7 +360,7 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     out_dtype = q.dtype if splits == 1 else jnp.float32
     kernel = functools.partial(_decode_kernel, num_splits=splits, keys_per_step=kps,
                                head_dim=d, num_pages=n, num_rows=r, num_cols=p,
-                               scale_log2=float(scale) * LOG2E, page_lookup=page_lookup)
+                               scale_log2=float(scale) * LOG2E)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     o, lse = pl.pallas_call(
         kernel,
@@ -423,4 +394,4 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
 __all__ = ["sparse_decode", "sparse_decode_reference", "sanitize_selection", "merge_splits",
            "online_softmax_step", "finalize", "validate_inputs", "padded_group",
            "default_num_splits", "default_num_stages", "default_decode_config", "step_bytes",
-           "compact_slots", "PAGE", "TOPK", "KEYS_PER_STEP", "PAGE_LOOKUPS"]
+           "compact_slots", "PAGE", "TOPK", "KEYS_PER_STEP"]

@@ -207,22 +207,19 @@ DECODE_REQS = (
 IDENTITY_ROWS = (0, 1, 2, 3, 4, 5, 8, 9, 10)  # tokens of requests with kv_len <= 2048, unedited
 
 
-@pytest.mark.parametrize("dtype,hkv,d,num_splits,keys_per_step,page_lookup", [
-    (jnp.float32, 1, 128, None, None, "vector"),  # default split (8 here), whole-page steps
-    (jnp.bfloat16, 4, 64, None, None, "vector"),  # default split (2); D = 64: small CPU cache
-    (jnp.bfloat16, 1, 128, 1, None, "vector"),    # single split: the kernel writes the output
-    (jnp.bfloat16, 1, 128, 1, 64, "vector"),      # half-page steps, single split
-    (jnp.float32, 1, 128, 4, 64, "vector"),       # half-page steps, valid slots over 4 splits
-    (jnp.bfloat16, 1, 128, 1, None, "scalar"),    # per-slot scalar page lookups
-    (jnp.float32, 1, 128, 4, 64, "scalar"),       # scalar lookups, consumed slots over 4 splits
+@pytest.mark.parametrize("dtype,hkv,d,num_splits,keys_per_step", [
+    (jnp.float32, 1, 128, None, None),  # default split (8 for this batch), whole-page steps
+    (jnp.bfloat16, 4, 64, None, None),  # default split (2); D = 64 keeps the CPU cache small
+    (jnp.bfloat16, 1, 128, 1, None),    # single split: the kernel writes the final output
+    (jnp.bfloat16, 1, 128, 1, 64),      # half-page steps, single split
+    (jnp.float32, 1, 128, 4, 64),       # half-page steps, valid slots chunked over 4 splits
 ])
-def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits, keys_per_step,
-                                                   page_lookup):
+def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits, keys_per_step):
     batch = build_batch(0, DECODE_REQS, hq=16 * hkv, hkv=hkv, d=d, dtype=dtype)
     scale = d ** -0.5
     args = batch.args()
     out, lse = sparse_decode(*args, scale=scale, interpret=INTERPRET, num_splits=num_splits,
-                             keys_per_step=keys_per_step, page_lookup=page_lookup)
+                             keys_per_step=keys_per_step)
     assert_matches_reference_and_oracle(batch, out, lse, sparse_decode_reference, scale, dtype)
     t = batch.q.shape[0]
     atol, lse_atol = tolerances(dtype)
@@ -242,11 +239,8 @@ def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits, ke
     chex.assert_trees_all_close(lse[rows], d_lse, atol=lse_atol, rtol=lse_atol)
 
 
-@pytest.mark.parametrize("keys_per_step,num_splits,page_lookup", [
-    (None, None, "vector"), (64, 1, "vector"), (64, 4, "vector"), (None, 1, "scalar"),
-    (64, 4, "scalar")])
-def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_step, num_splits,
-                                                                      page_lookup):
+@pytest.mark.parametrize("keys_per_step,num_splits", [(None, None), (64, 1), (64, 4)])
+def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_step, num_splits):
     """The original bug: -1 (and out-of-range ids) inside the consumed range. Each edited
     token is paired with a clean twin (same q, pages and kv_len) whose selection is just the
     kept ids followed by -1: equal outputs, finite, equal to the oracle over the kept set.
@@ -270,8 +264,7 @@ def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_st
     assert batch.block_table[7, 0] == 0 and 0 not in batch.kept[7][0]  # null page is NaN
     scale = D_MODEL ** -0.5
     out, lse = sparse_decode(*batch.args(), scale=scale, interpret=INTERPRET,
-                             keys_per_step=keys_per_step, num_splits=num_splits,
-                             page_lookup=page_lookup)
+                             keys_per_step=keys_per_step, num_splits=num_splits)
     chex.assert_tree_all_finite(out)
     chex.assert_tree_all_finite(lse)
     atol, lse_atol = tolerances(jnp.float32)
@@ -374,7 +367,6 @@ def test_compact_slots_is_a_stable_rank_of_valid_slots():
                                       (dict(num_warps=3), "num_warps"),
                                       (dict(num_stages=0), "num_stages"),
                                       (dict(keys_per_step=32), "keys_per_step"),
-                                      (dict(page_lookup="table"), "page_lookup"),
                                       (dict(num_stages=7, keys_per_step=64), "num_stages")])
 def test_bad_tunables_raise(kw, match):
     with pytest.raises(ValueError, match=match):
