@@ -37,18 +37,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._shapes import NUM_SMS_H200, is_pow2, next_pow2
+
 PAGE_SIZE = 128
 _MIN_DOT = 16  # Triton dot: M, N, K >= 16
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-_NUM_SMS_H200 = 132
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _is_pow2(x: int) -> bool:
-    return x >= 1 and (x & (x - 1)) == 0
 
 
 def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> None:
@@ -67,7 +62,7 @@ def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> No
     if index_k_cache.shape[2] != di:
         raise ValueError(f"index_k_cache: last dim must equal index_q's Di={di}, "
                          f"got {index_k_cache.shape[2]}")
-    if not _is_pow2(di) or di < _MIN_DOT:
+    if not is_pow2(di) or di < _MIN_DOT:
         raise ValueError(f"index_q: Di must be a power of two >= {_MIN_DOT}, got {di}")
     if h < 1:
         raise ValueError(f"index_q: needs H >= 1 index heads, got {h}")
@@ -90,9 +85,9 @@ def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> No
 
 def default_pages_per_program(num_tokens: int, max_pages: int) -> int:
     """Pages per program: about 4-8 programs per H200 SM, 1 <= ppp <= 64 (a power of two)."""
-    target = max(1, (num_tokens * max_pages) // (4 * _NUM_SMS_H200))
+    target = max(1, (num_tokens * max_pages) // (4 * NUM_SMS_H200))
     ppp = 1 << (target.bit_length() - 1)
-    return max(1, min(ppp, 64, _next_pow2(max_pages)))
+    return max(1, min(ppp, 64, next_pow2(max_pages)))
 
 
 def _index_scores_kernel(q_ref, k_ref, bt_ref, req_ref, pos_ref, out_ref, *,
@@ -172,13 +167,13 @@ def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
     n = index_k_cache.shape[0]
     r, p = block_table.shape
     ppp = default_pages_per_program(t, p) if pages_per_program is None else pages_per_program
-    if not _is_pow2(ppp):
+    if not is_pow2(ppp):
         raise ValueError(f"pages_per_program: must be a power of two >= 1, got {ppp}")
-    if num_warps < 1 or not _is_pow2(num_warps):
+    if num_warps < 1 or not is_pow2(num_warps):
         raise ValueError(f"num_warps: must be a power of two >= 1, got {num_warps}")
     if num_stages < 1:
         raise ValueError(f"num_stages: must be >= 1, got {num_stages}")
-    hs = _next_pow2(h)
+    hs = next_pow2(h)
     rows = max(_MIN_DOT, hs)
     num_chunks = pl.cdiv(p, ppp)
     if hs != h:

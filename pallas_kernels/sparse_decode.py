@@ -30,9 +30,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._shapes import NUM_SMS_H200, next_pow2
+
 PAGE = 128  # tokens per KV page == MSA sparse block
 TOPK = 16  # selection slots per (token, KV head)
-NUM_SMS = 132  # H200 streaming multiprocessors: the default split count fills them
 MIN_DOT = 16  # Triton dots need M, N, K >= 16
 MAX_GROUP_ROWS = 128  # padded GQA group rows of one program (register budget)
 FILL_PROGRAMS = 256  # below ONE_SPLIT_ROWS: smallest splits with T * Hkv * splits >= this
@@ -45,19 +46,16 @@ MASK = -1e30  # finite mask value for scores (base-2 units)
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
 
 def padded_group(num_q_heads: int, num_kv_heads: int) -> int:
     """Rows of one program's dot: the GQA group padded to a power of two >= 16."""
-    return max(MIN_DOT, _next_pow2(num_q_heads // num_kv_heads))
+    return max(MIN_DOT, next_pow2(num_q_heads // num_kv_heads))
 
 
 def default_num_splits(num_programs: int) -> int:
     """Split-K factor (power of two <= 16) so that ``num_programs * splits`` fills the SMs."""
     splits = 1
-    while splits < TOPK and num_programs * splits < NUM_SMS:
+    while splits < TOPK and num_programs * splits < NUM_SMS_H200:
         splits *= 2
     return splits
 
@@ -90,7 +88,7 @@ def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
     if num_rows < ONE_SPLIT_ROWS:
         while splits < TOPK and num_rows * splits < FILL_PROGRAMS:
             splits *= 2
-    stages = 3 if num_rows * splits <= NUM_SMS else 2
+    stages = 3 if num_rows * splits <= NUM_SMS_H200 else 2
     stages = max(1, min(stages, SMEM_BYTES // step_bytes(dtype, head_dim, PAGE)))
     return dict(num_splits=splits, num_warps=4, num_stages=stages, keys_per_step=PAGE)
 

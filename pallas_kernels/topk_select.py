@@ -30,16 +30,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._shapes import is_pow2, next_pow2
+
 from pallas_kernels.index_scores import (PAGE_SIZE, msa_index_scores,
                                          msa_index_scores_reference)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _is_pow2(x: int) -> bool:
-    return x >= 1 and (x & (x - 1)) == 0
 
 
 def _validate(scores, num_valid_pages, topk, local_blocks, init_blocks) -> None:
@@ -53,7 +49,7 @@ def _validate(scores, num_valid_pages, topk, local_blocks, init_blocks) -> None:
                          f"got {num_valid_pages.shape}")
     if jnp.dtype(num_valid_pages.dtype) != jnp.dtype(jnp.int32):
         raise TypeError(f"num_valid_pages: dtype must be int32, got {num_valid_pages.dtype}")
-    if not isinstance(topk, int) or not _is_pow2(topk):
+    if not isinstance(topk, int) or not is_pow2(topk):
         raise ValueError(f"topk: must be a power of two >= 1, got {topk}")
     if not isinstance(local_blocks, int) or not 0 <= local_blocks <= topk:
         raise ValueError(f"local_blocks: must be in [0, topk={topk}], got {local_blocks}")
@@ -113,10 +109,10 @@ def _topk_select_kernel(s_ref, cnt_ref, out_ref, *, max_pages: int, topk: int,
 def _select_call(scores, counts, *, topk: int, local_blocks: int, init_blocks: int,
                  interpret: bool, num_warps: int, counts_are_positions: bool):
     """The pallas_call of the selector; `counts` [T] int32 is num_valid_pages or positions."""
-    if num_warps < 1 or not _is_pow2(num_warps):
+    if num_warps < 1 or not is_pow2(num_warps):
         raise ValueError(f"num_warps: must be a power of two >= 1, got {num_warps}")
     t, h, p = scores.shape
-    hs, pp = _next_pow2(h), _next_pow2(p)
+    hs, pp = next_pow2(h), next_pow2(p)
     if (hs, pp) != (h, p):
         scores = jnp.pad(scores, ((0, 0), (0, hs - h), (0, pp - p)),
                          constant_values=-jnp.inf)
