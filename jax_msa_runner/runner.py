@@ -10,7 +10,7 @@ Start-up (``warm_up``) compiles every bucket ahead of time on the inputs of a
 ``stage_dummy_batch`` dummy batch and runs it (the analogue of CUDA-graph capture), then
 runs a profiling pass at the largest bucket (mixed dummy batch, every row at
 max_model_len) and reports peak memory. Serving calls only those compiled executables, so
-it cannot compile; ``CompileCounter`` (a ``jax.monitoring`` listener on XLA backend
+it cannot compile; ``compile_count.CompileCounter`` (a ``jax.monitoring`` listener on XLA backend
 compiles, process-wide) proves it.
 
 Decode context parallelism (``rconfig.dcp_world_size = W > 1``, spec section 7): the runner
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import time
 from typing import Callable
 
@@ -35,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_msa_runner.buckets import Bucket, make_buckets, select_bucket
+from jax_msa_runner.compile_count import CompileCounter
 from jax_msa_runner.config import RunnerConfig
 from jax_msa_runner.dcp_attention import DCP_AXIS, check_config_mesh, mesh_for_config
 from jax_msa_runner.kv_cache import KVCaches
@@ -44,47 +44,6 @@ from jax_msa_runner.model import (ATTENTION_IMPLS, ModelConfig, compute_logits,
 from jax_msa_runner.scheduler import ScheduledBatch, Scheduler
 from jax_msa_runner.staging import pack_host_batch, packed_size, stage_dummy_batch, stage_packed
 from jax_msa_runner.validate import validate_metadata
-
-# ---- compile counting ----------------------------------------------------------------------
-
-_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compile_lock = threading.Lock()
-_compile_count = 0
-_listener_installed = False
-
-
-def _on_event(event: str, duration: float, **kwargs) -> None:
-    global _compile_count
-    if event == _BACKEND_COMPILE_EVENT:
-        with _compile_lock:
-            _compile_count += 1
-
-
-def compile_count() -> int:
-    """XLA backend compilations in this process since the listener was installed."""
-    global _listener_installed
-    if not _listener_installed:
-        jax.monitoring.register_event_duration_secs_listener(_on_event)
-        _listener_installed = True
-    return _compile_count
-
-
-class CompileCounter:
-    """Context manager: ``.count`` = backend compilations inside the block."""
-
-    def __enter__(self):
-        self._start = compile_count()
-        self.count = 0
-        return self
-
-    def __exit__(self, *exc):
-        self.count = compile_count() - self._start
-        return False
-
-    @property
-    def so_far(self) -> int:
-        return compile_count() - self._start
-
 
 # ---- the step --------------------------------------------------------------------------------
 

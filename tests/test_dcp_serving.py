@@ -22,12 +22,13 @@ import numpy.testing as npt
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jax_msa_runner.compile_count import CompileCounter
 from jax_msa_runner.config import RunnerConfig
 from jax_msa_runner.dcp_attention import DCP_AXIS, DCPError
 from jax_msa_runner.demo import HOST_DEVICES_FLAG, main as demo_main, request_host_devices
 from jax_msa_runner.kv_cache import RESERVED_PAGES, pages_needed
 from jax_msa_runner.model import ModelConfig
-from jax_msa_runner.runner import CompileCounter, ModelRunner
+from jax_msa_runner.runner import ModelRunner
 from jax_msa_runner.scheduler import (Request, RequestRejectedError, Scheduler,
                                       SchedulerConfig)
 

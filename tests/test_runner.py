@@ -10,10 +10,11 @@ import numpy.testing as npt
 import pytest
 
 from jax_msa_runner.buckets import Bucket
+from jax_msa_runner.compile_count import CompileCounter
 from jax_msa_runner.config import RunnerConfig
 from jax_msa_runner.dcp_attention import DCPError
 from jax_msa_runner.model import ModelConfig
-from jax_msa_runner.runner import (CompileCounter, ModelRunner, host_buffer_size, pack_step_inputs,
+from jax_msa_runner.runner import (ModelRunner, host_buffer_size, pack_step_inputs,
                                    sample_tokens)
 from jax_msa_runner.staging import pack_host_batch, packed_size, stage_packed
 

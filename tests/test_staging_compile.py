@@ -1,31 +1,12 @@
 """Compilation counting: one compile per bucket at warm-up, none afterwards."""
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_msa_runner.buckets import make_buckets
+from jax_msa_runner.compile_count import CompileCounter
 from jax_msa_runner.config import RunnerConfig
 from jax_msa_runner.staging import DUMMY_KINDS, stage_batch, stage_dummy_batch
-
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """Counts XLA backend compilations (jax.monitoring duration events), by function name."""
-    names: list[str] = []
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE_EVENT:
-            names.append(str(kwargs.get("fun_name", "")))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_counter_sees_a_fresh_jit_and_not_a_cached_one():
@@ -34,11 +15,11 @@ def test_counter_sees_a_fresh_jit_and_not_a_cached_one():
         return x * 3 + 1
 
     x = jnp.arange(7)
-    with count_compiles() as first:
+    with CompileCounter() as first:
         f(x).block_until_ready()
-    with count_compiles() as second:
+    with CompileCounter() as second:
         f(x).block_until_ready()
-    assert [n for n in first if "f" in n] and second == []
+    assert [n for n in first.names if "f" in n] and second.names == [] and second.count == 0
 
 
 def test_one_compile_per_bucket_then_none():
@@ -46,13 +27,13 @@ def test_one_compile_per_bucket_then_none():
     cfg = RunnerConfig(max_num_seqs=3, max_num_batched_tokens=24, bucket_sizes=(1, 3, 10, 24),
                        max_model_len=777, num_spec_tokens=1)
     buckets = make_buckets(cfg)
-    with count_compiles() as warmup:
+    with CompileCounter() as warmup:
         for b in buckets:
             jax.block_until_ready(stage_dummy_batch(b.num_tokens, cfg))
-    staged = [n for n in warmup if "stage_packed" in n]
-    assert len(staged) == len(buckets), warmup
-    assert len(warmup) == len(buckets), warmup  # staging compiles nothing else
-    with count_compiles() as again:
+    staged = [n for n in warmup.names if "stage_packed" in n]
+    assert len(staged) == len(buckets), warmup.names
+    assert warmup.count == len(buckets), warmup.names  # staging compiles nothing else
+    with CompileCounter() as again:
         for b in buckets:
             for kind in DUMMY_KINDS:
                 for L in (None, 1, 500):
@@ -62,4 +43,4 @@ def test_one_compile_per_bucket_then_none():
         for n_tokens in range(1, 25):
             q = [n_tokens // 3 + (n_tokens % 3 > i) for i in range(min(3, n_tokens))]
             jax.block_until_ready(stage_batch(q, [5] * len(q), [[2]] * len(q), cfg))
-    np.testing.assert_array_equal(len(again), 0, err_msg=str(again))
+    np.testing.assert_array_equal(again.count, 0, err_msg=str(again.names))
