@@ -40,6 +40,7 @@ from jax_msa_runner.dcp_attention import DCP_AXIS, rank_dense_attention, rank_ms
 from jax_msa_runner.dense_attention import paged_causal_attention
 from jax_msa_runner.kv_cache import KVCaches, init_kv_caches, write_index_k, write_kv
 from jax_msa_runner.metadata import BatchMetadata
+from pallas_kernels.msa_attention import msa_attention, msa_attention_reference
 
 ATTENTION_IMPLS = ("pallas", "reference")
 ATTENTION_MODES = ("msa", "dense")
@@ -310,21 +311,6 @@ def swigluoai(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
 
 # ---- attention -------------------------------------------------------------------------------
 
-def _msa_ops(impl: str):
-    """(index_scores, topk_select, sparse_attention) for the chosen implementation."""
-    if impl == "pallas":
-        from pallas_kernels.index_scores import msa_index_scores
-        from pallas_kernels.sparse_decode import sparse_decode
-        from pallas_kernels.topk_select import sparse_topk_select
-        return msa_index_scores, sparse_topk_select, sparse_decode
-    if impl == "reference":
-        from pallas_kernels.index_scores import msa_index_scores_reference
-        from pallas_kernels.sparse_decode import sparse_decode_reference
-        from pallas_kernels.topk_select import sparse_topk_select_reference
-        return msa_index_scores_reference, sparse_topk_select_reference, sparse_decode_reference
-    raise ValueError(f"attention_impl: one of {ATTENTION_IMPLS}, got {impl!r}")
-
-
 def msa_layer_attention(q: jax.Array, index_q: jax.Array, kv_cache: jax.Array,
                         index_k_cache: jax.Array, md: BatchMetadata, *, scale: float,
                         attention_impl: str, attention_mode: str = "msa",
@@ -362,14 +348,15 @@ def msa_layer_attention(q: jax.Array, index_q: jax.Array, kv_cache: jax.Array,
         out, _ = paged_causal_attention(q, kv_cache, md.block_table, md.req_indices, md.kv_lens,
                                         scale=scale)
         return out
-    index_scores, topk_select, sparse_attend = _msa_ops(attention_impl)
-    extra = {"interpret": interpret} if attention_impl == "pallas" else {}
-    scores = index_scores(index_q, index_k_cache, md.block_table, md.req_indices, md.positions,
-                          **extra)
-    selected = topk_select(scores, md.num_valid_pages, topk=MSA_TOPK, local_blocks=local_blocks,
-                           init_blocks=init_blocks, **extra)
-    out, _ = sparse_attend(q, kv_cache, selected, md.block_table, md.req_indices, md.kv_lens,
-                           scale=scale, **extra)
+    if attention_impl == "pallas":
+        out, _, _ = msa_attention(q, index_q, kv_cache, index_k_cache, md, scale=scale,
+                                  interpret=interpret, local_blocks=local_blocks,
+                                  init_blocks=init_blocks)
+    elif attention_impl == "reference":
+        out, _, _ = msa_attention_reference(q, index_q, kv_cache, index_k_cache, md, scale=scale,
+                                            local_blocks=local_blocks, init_blocks=init_blocks)
+    else:
+        raise ValueError(f"attention_impl: one of {ATTENTION_IMPLS}, got {attention_impl!r}")
     return out.astype(q.dtype)
 
 

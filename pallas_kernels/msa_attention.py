@@ -20,9 +20,10 @@ from pallas_kernels.sparse_prefill import sparse_prefill
 from pallas_kernels.topk_select import sparse_topk_select, sparse_topk_select_reference
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "prefill", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "prefill", "interpret", "local_blocks",
+                                             "init_blocks"))
 def msa_attention(q, index_q, kv_cache, index_k_cache, md, *, scale, prefill=False,
-                  interpret=False):
+                  interpret=False, local_blocks=1, init_blocks=0):
     """MSA attention of a padded batch.
 
     Args:
@@ -31,24 +32,28 @@ def msa_attention(q, index_q, kv_cache, index_k_cache, md, *, scale, prefill=Fal
       md: BatchMetadata (or any pytree with its field names) padded to T tokens.
       scale: softmax scale (static). prefill: use the prefill kernel, which shares page
         loads across consecutive tokens of a request (static). interpret: Pallas interpret.
+      local_blocks, init_blocks: the selector's forced blocks (static; spec section 3).
     Returns:
       (out [T, Hq, D] q.dtype, lse [T, Hq] f32, selected [T, Hkv, 16] int32).
     """
     scores = msa_index_scores(index_q, index_k_cache, md.block_table, md.req_indices,
                               md.positions, interpret=interpret)
-    selected = sparse_topk_select(scores, md.num_valid_pages, interpret=interpret)
+    selected = sparse_topk_select(scores, md.num_valid_pages, local_blocks=local_blocks,
+                                  init_blocks=init_blocks, interpret=interpret)
     attend = sparse_prefill if prefill else sparse_decode
     out, lse = attend(q, kv_cache, selected, md.block_table, md.req_indices, md.kv_lens,
                       scale=scale, interpret=interpret)
     return out, lse, selected
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def msa_attention_reference(q, index_q, kv_cache, index_k_cache, md, *, scale):
+@functools.partial(jax.jit, static_argnames=("scale", "local_blocks", "init_blocks"))
+def msa_attention_reference(q, index_q, kv_cache, index_k_cache, md, *, scale, local_blocks=1,
+                            init_blocks=0):
     """`msa_attention` on the jax.numpy references (same arguments and results)."""
     scores = msa_index_scores_reference(index_q, index_k_cache, md.block_table,
                                         md.req_indices, md.positions)
-    selected = sparse_topk_select_reference(scores, md.num_valid_pages)
+    selected = sparse_topk_select_reference(scores, md.num_valid_pages,
+                                            local_blocks=local_blocks, init_blocks=init_blocks)
     out, lse = sparse_decode_reference(q, kv_cache, selected, md.block_table, md.req_indices,
                                        md.kv_lens, scale=scale)
     return out, lse, selected
