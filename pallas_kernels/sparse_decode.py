@@ -40,6 +40,7 @@ FILL_PROGRAMS = 256  # below ONE_SPLIT_ROWS: smallest splits with T * Hkv * spli
 ONE_SPLIT_ROWS = 64  # T * Hkv at and above which one split (no merge) is the default
 SMEM_BYTES = 227 * 1024  # H200 shared memory per block: stages * K+V step bytes must fit
 KEYS_PER_STEP = (64, 128)  # keys of one decode loop step (one pipeline stage)
+V_MASKS = ("select", "load")  # how V's invalid rows become 0: select after the load, masked load
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASK = -1e30  # finite mask value for scores (base-2 units)
@@ -90,7 +91,8 @@ def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
             splits *= 2
     stages = 3 if num_rows * splits <= NUM_SMS_H200 else 2
     stages = max(1, min(stages, SMEM_BYTES // step_bytes(dtype, head_dim, PAGE)))
-    return dict(num_splits=splits, num_warps=4, num_stages=stages, keys_per_step=PAGE)
+    return dict(num_splits=splits, num_warps=4, num_stages=stages, keys_per_step=PAGE,
+                v_mask="select")
 
 
 def validate_inputs(q, kv_cache, selected, block_table, req_indices, kv_lens, *, name: str):
@@ -190,12 +192,13 @@ def sparse_decode_reference(q, kv_cache, selected, block_table, req_indices, kv_
 # Shared kernel pieces
 # --------------------------------------------------------------------------------------------
 
-def online_softmax_step(carry, q, k, v, key_ok, scale_log2, row_weight=None):
+def online_softmax_step(carry, q, k, v, key_ok, scale_log2, row_weight=None, mask_v=True):
     """One page of the online softmax (base 2, finite mask, masked V).
 
     carry ``(acc [M,D] f32, m [M] f32, l [M] f32)``; ``q [M,D]``, ``k, v [K,D]`` (input dtype,
-    K = 128 keys of a page or fewer); ``key_ok [M,K]`` or ``[1,K]`` bool; ``row_weight [M] f32`` (optional) multiplies the row's
-    probabilities (a page selected twice counts twice).
+    K = 128 keys of a page or fewer); ``key_ok [M,K]`` or ``[1,K]`` bool; ``row_weight [M] f32``
+    (optional) multiplies the row's probabilities (a page selected twice counts twice);
+    ``mask_v=False`` when the caller already zeroed V's invalid rows (a masked load).
     """
     acc, m, l = carry
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale_log2
@@ -207,8 +210,9 @@ def online_softmax_step(carry, q, k, v, key_ok, scale_log2, row_weight=None):
         p = p * row_weight[:, None]
     p = jnp.where(key_ok, p, 0.0)
     l_new = alpha * l + jnp.sum(p, axis=1)
-    v_ok = jnp.max(key_ok.astype(jnp.int32), axis=0) > 0                 # [K]
-    v = jnp.where(v_ok[:, None], v, jnp.zeros_like(v))
+    if mask_v:
+        v_ok = jnp.max(key_ok.astype(jnp.int32), axis=0) > 0             # [K]
+        v = jnp.where(v_ok[:, None], v, jnp.zeros_like(v))
     acc_new = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v,
                                              preferred_element_type=jnp.float32)
     return acc_new, m_new, l_new
@@ -255,7 +259,7 @@ def compact_slots(ok):
 
 
 def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_ref, *,
-                   num_splits, keys_per_step, head_dim, num_pages, num_rows, num_cols,
+                   num_splits, keys_per_step, v_mask, head_dim, num_pages, num_rows, num_cols,
                    scale_log2):
     """One (token, kv head, split): ``q_ref [M,D]``, ``sel_ref [16]``, whole ``kv_ref``,
     ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D]``, ``lse_ref [M]``."""
@@ -293,10 +297,15 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
         page = jnp.sum(jnp.where(pick, page_vec, 0))
         blk = jnp.sum(jnp.where(pick, blk_vec, 0))
         hit = jnp.sum(pick.astype(jnp.int32)) > 0         # always true: no step past n_valid
+        key_ok = hit & (blk * PAGE + start + keys < kv_len)          # [K]: all rows alike
         k = kv_ref[page, h, pl.ds(start, keys_per_step), pl.ds(0, head_dim)]
-        v = kv_ref[page, h, pl.ds(start, keys_per_step), pl.ds(head_dim, head_dim)]
-        key_ok = (hit & (blk * PAGE + start + keys < kv_len))[None, :]  # [1,K]: all rows
-        return online_softmax_step(carry, q, k, v, key_ok, scale_log2)
+        v_at = kv_ref.at[page, h, pl.ds(start, keys_per_step), pl.ds(head_dim, head_dim)]
+        if v_mask == "load":  # invalid rows never loaded (zero-filled): V streams to the dot
+            v = plt.load(v_at, mask=key_ok[:, None], other=0)
+        else:
+            v = v_at[...]
+        return online_softmax_step(carry, q, k, v, key_ok[None, :], scale_log2,
+                                   mask_v=v_mask == "select")
 
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK, jnp.float32),
@@ -308,10 +317,10 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_warps",
-                                             "num_stages", "keys_per_step"))
+                                             "num_stages", "keys_per_step", "v_mask"))
 def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                   interpret=False, num_splits=None, num_warps=None, num_stages=None,
-                  keys_per_step=None):
+                  keys_per_step=None, v_mask=None):
     """MSA sparse decode (spec section 4) with the kernel safety boundary.
 
     Args:
@@ -324,7 +333,9 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
       scale: softmax scale (static). interpret: Pallas interpret mode (CPU).
       num_splits: split-K factor in {1, 2, 4, 8, 16}; keys_per_step: keys per loop step (one
         pipeline stage of ``keys_per_step * 2D`` elements) in {64, 128}; num_warps,
-        num_stages: Triton launch tunables (``num_stages * stage bytes`` must fit 227 KiB).
+        num_stages: Triton launch tunables (``num_stages * stage bytes`` must fit 227 KiB);
+        v_mask: ``"select"`` (load V, then zero invalid rows) or ``"load"`` (masked load that
+        zero-fills invalid rows).
         Each ``None`` takes :func:`default_decode_config` (bf16 D=128, T*Hkv=128: 1 split,
         4 warps, 3 stages, 128 keys).
     Returns:
@@ -356,8 +367,10 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     if m_rows != g:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
     out_dtype = q.dtype if splits == 1 else jnp.float32
+    v_mask = cfg["v_mask"] if v_mask is None else v_mask
+    _check_tunable("v_mask", "sparse_decode", v_mask, V_MASKS)
     kernel = functools.partial(_decode_kernel, num_splits=splits, keys_per_step=kps,
-                               head_dim=d, num_pages=n, num_rows=r, num_cols=p,
+                               v_mask=v_mask, head_dim=d, num_pages=n, num_rows=r, num_cols=p,
                                scale_log2=float(scale) * LOG2E)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     o, lse = pl.pallas_call(
