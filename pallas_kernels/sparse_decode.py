@@ -38,7 +38,8 @@ MIN_DOT = 16  # Triton dots need M, N, K >= 16
 MAX_GROUP_ROWS = 128  # padded GQA group rows of one program (register budget)
 FILL_PROGRAMS = 256  # below ONE_SPLIT_ROWS: smallest splits with T * Hkv * splits >= this
 ONE_SPLIT_ROWS = 64  # T * Hkv at and above which one split (no merge) is the default
-SMEM_BYTES = 227 * 1024  # H200 shared memory per block: stages * K+V step bytes must fit
+SMEM_BYTES = 227 * 1024  # H200 shared memory per block (see pipeline_smem_bytes)
+SMEM_SCRATCH = 16 * 1024  # layout conversions and reductions beside the K/V buffers
 KEYS_PER_STEP = (64, 128)  # keys of one decode loop step (one pipeline stage)
 V_MASKS = ("select", "load")  # how V's invalid rows become 0: select after the load, masked load
 LOG2E = math.log2(math.e)
@@ -73,6 +74,18 @@ def step_bytes(dtype, head_dim: int, keys_per_step: int = PAGE) -> int:
     return keys_per_step * 2 * head_dim * jnp.dtype(dtype).itemsize
 
 
+def pipeline_smem_bytes(num_stages: int, stage: int) -> int:
+    """Shared memory of a Triton loop pipeline of ``num_stages`` over ``stage``-byte K+V loads:
+    it buffers ``num_stages - 1`` loads in flight (ncu on the H200: 139 KiB at 3 stages of
+    64 KiB), plus scratch."""
+    return max(1, num_stages - 1) * stage + SMEM_SCRATCH
+
+
+def max_stages(stage: int) -> int:
+    """Deepest pipeline whose buffers fit :data:`SMEM_BYTES` (bf16 D=128 pages: 4)."""
+    return max(1, (SMEM_BYTES - SMEM_SCRATCH) // stage + 1)
+
+
 def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
     """Launch defaults of :func:`sparse_decode` for ``num_rows = T * Hkv`` (token, KV head) rows.
 
@@ -90,7 +103,7 @@ def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
         while splits < TOPK and num_rows * splits < FILL_PROGRAMS:
             splits *= 2
     stages = 3 if num_rows * splits <= NUM_SMS_H200 else 2
-    stages = max(1, min(stages, SMEM_BYTES // step_bytes(dtype, head_dim, PAGE)))
+    stages = min(stages, max_stages(step_bytes(dtype, head_dim, PAGE)))
     return dict(num_splits=splits, num_warps=4, num_stages=stages, keys_per_step=PAGE,
                 v_mask="select")
 
@@ -333,7 +346,7 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
       scale: softmax scale (static). interpret: Pallas interpret mode (CPU).
       num_splits: split-K factor in {1, 2, 4, 8, 16}; keys_per_step: keys per loop step (one
         pipeline stage of ``keys_per_step * 2D`` elements) in {64, 128}; num_warps,
-        num_stages: Triton launch tunables (``num_stages * stage bytes`` must fit 227 KiB);
+        num_stages: Triton launch tunables (``num_stages - 1`` stage buffers must fit 227 KiB);
         v_mask: ``"select"`` (load V, then zero invalid rows) or ``"load"`` (masked load that
         zero-fills invalid rows).
         Each ``None`` takes :func:`default_decode_config` (bf16 D=128, T*Hkv=128: 1 split,
@@ -355,11 +368,12 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     _check_tunable("num_warps", "sparse_decode", num_warps, (1, 2, 4, 8, 16))
     stage = step_bytes(q.dtype, d, kps)
     if num_stages is None:  # the default depth, re-capped for the chosen step size
-        num_stages = max(1, min(cfg["num_stages"], SMEM_BYTES // stage))
-    _check_tunable("num_stages", "sparse_decode", num_stages, (1, 2, 3, 4, 5, 6))
-    if num_stages * stage > SMEM_BYTES:
-        raise ValueError(f"sparse_decode: num_stages {num_stages} x {stage} bytes of K+V per "
-                         f"step (keys_per_step {kps}) exceeds {SMEM_BYTES} bytes of shared memory")
+        num_stages = min(cfg["num_stages"], max_stages(stage))
+    _check_tunable("num_stages", "sparse_decode", num_stages, (1, 2, 3, 4, 5, 6, 7))
+    if pipeline_smem_bytes(num_stages, stage) > SMEM_BYTES:
+        raise ValueError(f"sparse_decode: num_stages {num_stages} buffers {num_stages - 1} x "
+                         f"{stage} bytes of K+V (keys_per_step {kps}) + scratch: more than "
+                         f"{SMEM_BYTES} bytes of shared memory")
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
 
@@ -405,4 +419,4 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
 __all__ = ["sparse_decode", "sparse_decode_reference", "sanitize_selection", "merge_splits",
            "online_softmax_step", "finalize", "validate_inputs", "padded_group",
            "default_num_splits", "default_num_stages", "default_decode_config", "step_bytes",
-           "compact_slots", "PAGE", "TOPK", "KEYS_PER_STEP"]
+           "compact_slots", "pipeline_smem_bytes", "max_stages", "PAGE", "TOPK", "KEYS_PER_STEP"]

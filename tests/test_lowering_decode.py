@@ -8,6 +8,7 @@ import pytest
 
 from pallas_kernels._lowering import lower_for_cuda, triton_calls
 from pallas_kernels.sparse_decode import (PAGE, SMEM_BYTES, TOPK, default_decode_config,
+                                          max_stages, pipeline_smem_bytes,
                                           default_num_stages, sparse_decode, step_bytes)
 from pallas_kernels.sparse_prefill import sparse_prefill
 
@@ -62,14 +63,17 @@ def test_default_stages_fit_shared_memory():
     for rows in (1, 16, 64, 128, 512):
         for dtype in (jnp.bfloat16, jnp.float32):
             cfg = default_decode_config(rows, dtype, D)
-            assert cfg["num_stages"] * step_bytes(dtype, D, cfg["keys_per_step"]) <= SMEM_BYTES
-    assert default_decode_config(128, jnp.float32, D)["num_stages"] == 1
+            stage = step_bytes(dtype, D, cfg["keys_per_step"])
+            assert pipeline_smem_bytes(cfg["num_stages"], stage) <= SMEM_BYTES
+    assert default_decode_config(128, jnp.float32, D)["num_stages"] == 2  # 1 x 128 KiB buffer
     # the default depth is re-capped for an explicit step size; too deep a pipeline raises
     [call] = triton_calls(lower_for_cuda(sparse_decode, *_specs(128, 16, 1), scale=1.0,
                                          keys_per_step=64))
     assert call["num_stages"] == 3
     with pytest.raises(ValueError, match="shared memory"):
-        lower_for_cuda(sparse_decode, *_specs(128, 16, 1), scale=1.0, num_stages=4)
+        lower_for_cuda(sparse_decode, *_specs(128, 16, 1), scale=1.0, num_stages=5)
+    assert max_stages(step_bytes(jnp.bfloat16, D, PAGE)) == 4  # 3 x 64 KiB buffers
+    assert max_stages(step_bytes(jnp.bfloat16, D, 64)) == 7
 
 
 @pytest.mark.parametrize("keys_per_step", [128, 64])

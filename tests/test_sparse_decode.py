@@ -371,7 +371,7 @@ def test_compact_slots_is_a_stable_rank_of_valid_slots():
                                       (dict(num_warps=3), "num_warps"),
                                       (dict(num_stages=0), "num_stages"),
                                       (dict(keys_per_step=32), "keys_per_step"),
-                                      (dict(num_stages=7, keys_per_step=64), "num_stages"),
+                                      (dict(num_stages=8, keys_per_step=64), "num_stages"),
                                       (dict(v_mask="where"), "v_mask")])
 def test_bad_tunables_raise(kw, match):
     with pytest.raises(ValueError, match=match):
