@@ -8,11 +8,13 @@ tokens in 1/16/64/128, every request at context L in 8192/65536) it times, in on
     same selection; bytes = K and V of 16 pages per KV head, B*Hkv*16*128*256*2;
   * the device-to-device copy bandwidth (the roofline), measured in the same process.
 
-Timing. Both sides are timed with a 256 MiB L2 flush before every call (cold L2, as
-`triton.testing.do_bench` does): JAX as wall(n x (flush; f)) - wall(n x flush) with async
-dispatch (the flush keeps the GPU busy, so host dispatch is hidden); vLLM with
-`triton.testing.do_bench` (CUDA events). Each figure is the median of `--trials` trials,
-and the two sides are interleaved per shape.
+Timing. Both sides are timed with a 256 MiB L2 flush before every call (cold L2): JAX as
+wall(n x (flush; f)) - wall(n x flush) with async dispatch (the flush keeps the GPU busy, so
+host dispatch is hidden); vLLM with CUDA events around each call after the same flush. The
+flush either rewrites the buffer (`--flush write`, `triton.testing.do_bench`'s convention: it
+leaves ~50 MiB of dirty L2 lines whose write-back the timed kernel pays) or sums it (`--flush
+read`: clean lines, inputs still cold). Each figure is the median of `--trials` trials, and the
+two sides are interleaved per shape.
 
 Usage (on the GPU machine): python3 bench/kernels.py --out DIR [--vllm-ops .vllm_ops]
 Writes DIR/kernels.json, DIR/kernels.md (the results table) and DIR/roofline.png.
@@ -103,11 +105,20 @@ def our_decode(x: dict, selected: jax.Array) -> tuple[jax.Array, jax.Array]:
 _FLUSH_ELEMS = 64 * 1024 * 1024  # 256 MiB of f32: larger than the 50 MiB L2
 
 
-def _flush(buf):
-    return buf + 1.0
+FLUSHES = ("write", "read")
 
 
-def time_jax(fn, args, *, reps: int, trials: int) -> list[float]:
+def _flush(buf, mode: str):
+    """A 256 MiB pass that evicts the L2 -> ``(buf, token)``. ``write`` rewrites the buffer,
+    leaving ~50 MiB of dirty lines whose write-back lands in the timed kernel (what
+    ``triton.testing.do_bench``'s ``zero_()`` does); ``read`` sums it, leaving clean lines."""
+    if mode == "write":
+        buf = buf + 1.0
+        return buf, buf
+    return buf, jnp.sum(buf)
+
+
+def time_jax(fn, args, *, reps: int, trials: int, flush: str = "write") -> list[float]:
     """Seconds per call of fn(*args) with a cold L2, one sample per trial.
 
     Two executables: (flush; barrier; fn) and flush alone, each dispatched `reps` times
@@ -116,25 +127,46 @@ def time_jax(fn, args, *, reps: int, trials: int) -> list[float]:
     flush inside one executable, so the two never overlap.
     """
     def flushed_call(buf, a):
-        buf = _flush(buf)
-        buf, a = jax.lax.optimization_barrier((buf, a))
-        return buf, fn(*a)
+        buf, token = _flush(buf, flush)
+        token, a = jax.lax.optimization_barrier((token, a))
+        return buf, token, fn(*a)
 
     with_fn = jax.jit(flushed_call, donate_argnums=0)
-    flush_only = jax.jit(lambda buf, a: (_flush(buf), None), donate_argnums=0)
+    flush_only = jax.jit(lambda buf, a: _flush(buf, flush), donate_argnums=0)
     buf = jnp.zeros((_FLUSH_ELEMS,), jnp.float32)
 
     def run(step) -> float:
         nonlocal buf
-        buf, out = step(buf, args)  # warm-up / compile
+        buf, *out = step(buf, args)  # warm-up / compile
         jax.block_until_ready((buf, out))
         t0 = time.perf_counter()
         for _ in range(reps):
-            buf, out = step(buf, args)
+            buf, *out = step(buf, args)
         jax.block_until_ready((buf, out))
         return time.perf_counter() - t0
 
     return [max((run(with_fn) - run(flush_only)) / reps, 1e-9) for _ in range(trials)]
+
+
+def time_torch(fn, *, flush: str, reps: int = 50) -> float:
+    """Seconds per call of a torch/Triton fn with a cold L2: CUDA events around fn after each
+    flush (``write``: ``zero_()`` as in ``do_bench``; ``read``: a sum), median of ``reps``."""
+    import torch
+
+    buf = torch.empty(_FLUSH_ELEMS, dtype=torch.float32, device="cuda")
+    fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]
+    for start, end in ev:
+        if flush == "write":
+            buf.zero_()
+        else:
+            buf.sum()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in ev) * 1e-3
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
@@ -177,10 +209,10 @@ def load_vllm(ops_dir: str):
     return minimax_m3_index_decode, minimax_m3_sparse_attn_decode
 
 
-def vllm_case(ops, shape: Shape, x: dict, selected: jax.Array, *, trials: int) -> dict:
+def vllm_case(ops, shape: Shape, x: dict, selected: jax.Array, *, trials: int,
+              flush: str) -> dict:
     """vLLM's indexer on the inputs, and its decode on OUR selection (same inputs both sides)."""
     import torch
-    import triton.testing
 
     index_decode, attn_decode = ops
     t = {k: torch.from_dlpack(v) for k, v in x.items()}
@@ -199,8 +231,8 @@ def vllm_case(ops, shape: Shape, x: dict, selected: jax.Array, *, trials: int) -
 
     decode()
     torch.cuda.synchronize()
-    ti = [triton.testing.do_bench(indexer) * 1e-3 for _ in range(trials)]
-    td = [triton.testing.do_bench(decode) * 1e-3 for _ in range(trials)]
+    ti = [time_torch(indexer, flush=flush) for _ in range(trials)]
+    td = [time_torch(decode, flush=flush) for _ in range(trials)]
     return {"vllm_indexer_s": ti, "vllm_decode_s": td,
             "vllm_selected": np.asarray(vllm_sel.transpose(0, 1).cpu()),  # [B, Hkv, 16]
             "vllm_out": out.float().cpu().numpy()}
@@ -221,7 +253,7 @@ def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int) -> dict:
+def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int, flush: str) -> dict:
     """Times both sides on the same inputs, interleaved over two rounds; medians of all samples."""
     x = make_inputs(shape, seed)
     indexer = jax.jit(our_indexer)
@@ -233,12 +265,14 @@ def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int) -> dict
     samples = {k: [] for k in ("ours_indexer_s", "ours_decode_s", "vllm_indexer_s",
                                "vllm_decode_s")}
     for _ in range(2):
-        samples["ours_indexer_s"] += time_jax(indexer, (x,), reps=reps, trials=trials)
-        samples["ours_decode_s"] += time_jax(decode, (x, selected), reps=reps, trials=trials)
+        samples["ours_indexer_s"] += time_jax(indexer, (x,), reps=reps, trials=trials,
+                                              flush=flush)
+        samples["ours_decode_s"] += time_jax(decode, (x, selected), reps=reps, trials=trials,
+                                             flush=flush)
         if ops is None or "vllm_err" in row:
             continue
         try:
-            v = vllm_case(ops, shape, x, selected, trials=trials)
+            v = vllm_case(ops, shape, x, selected, trials=trials, flush=flush)
         except Exception as e:
             row["vllm_err"] = repr(e)[:500]
             continue
@@ -293,7 +327,8 @@ def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int) -> list[dict
 def markdown(result: dict) -> str:
     bw = result["copy"]["copy_Bps"]
     lines = [f"Device: {result['device']}; date {result['date']}; copy bandwidth "
-             f"{bw / 1e12:.2f} TB/s (read + write), measured in the same run.", "",
+             f"{bw / 1e12:.2f} TB/s (read + write), measured in the same run; L2 flush before "
+             f"each call: {result.get('flush', 'write')}.", "",
              "| Hq/Hkv | B | L | ours idx+sel us | vLLM idx us | speedup | idx % copy BW "
              "| ours decode us | vLLM decode us | speedup | decode % copy BW | sel agree | rel err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -351,6 +386,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shapes", default="all", help="'all' or a comma list of indices")
     p.add_argument("--sweep", default="", help="comma list of shape indices to sweep tunables on")
+    p.add_argument("--flush", choices=FLUSHES, default="write",
+                   help="L2 eviction before each timed call: write (dirty lines, do_bench's "
+                        "convention) or read (clean lines)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     ops = load_vllm(args.vllm_ops)
@@ -358,10 +396,12 @@ def main(argv=None) -> int:
     if args.shapes != "all":
         shapes = [shapes[int(i)] for i in args.shapes.split(",")]
     result = {"device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
-              "vllm": ops is not None, "copy": copy_bandwidth(), "rows": []}
+              "vllm": ops is not None, "flush": args.flush, "copy": copy_bandwidth(),
+              "rows": []}
     print(f"copy bandwidth {result['copy']['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
     for shape in shapes:
-        row = bench_shape(shape, ops, reps=args.reps, trials=args.trials, seed=args.seed)
+        row = bench_shape(shape, ops, reps=args.reps, trials=args.trials, seed=args.seed,
+                          flush=args.flush)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         with open(os.path.join(args.out, "kernels.json"), "w") as f:
