@@ -12,6 +12,9 @@ import math
 PAGE_SIZE = 128  # tokens per KV page == MSA sparse block == index-K page
 MSA_TOPK = 16
 DCP_INTERLEAVE = 128  # MSA requires one block per DCP interleave unit
+# The index-K cache dtype allowed besides the model dtype (ModelConfig.index_cache_dtype):
+# raw e4m3 values, no scale; the indexer upcasts them (half the bytes of its O(L) scan).
+FP8_INDEX_CACHE_DTYPE = "float8_e4m3fn"
 
 
 class ConfigError(ValueError):

@@ -4,6 +4,7 @@ Mixed prompt lengths (a few longer than 2048 tokens, so MSA's top-16 page select
 live), dozens of requests, tens of output tokens each; a text progress bar; then a summary:
 requests, prompt and output tokens/s, step latency p50/p99, compilations after warm-up
 (must be 0) and the metadata validation result (``--debug`` validates every step).
+``--index-cache-dtype float8_e4m3fn`` keeps the index-K cache in fp8 (default: the model dtype).
 
 ``--dcp W`` serves with decode context parallelism over W devices (spec section 7): every
 request's context is split page-wise over the ranks, ``--num-pages`` counts pages per
@@ -46,6 +47,9 @@ def add_demo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="default: pallas on a GPU, reference elsewhere")
     g.add_argument("--num-layers", type=int, default=None,
                    help="override the tiny model's layer count (layer 0 dense, others MSA)")
+    g.add_argument("--index-cache-dtype", choices=("auto", "float8_e4m3fn"), default="auto",
+                   help="index-K cache dtype (auto: the model dtype; float8_e4m3fn: raw fp8 keys "
+                        "the indexer upcasts)")
     g.add_argument("--debug", action="store_true", help="validate every step's metadata")
     g.add_argument("--dcp", type=int, default=1, metavar="W",
                    help="decode context parallel ranks (devices); on CPU host devices via "
@@ -88,10 +92,11 @@ def _bar(done: int, total: int, step: int, width: int = 30) -> str:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Serve the synthetic workload and print the summary; returns a process exit code."""
-    mc = ModelConfig.tiny()
+    mc = ModelConfig.tiny(index_cache_dtype=args.index_cache_dtype)
     if args.num_layers is not None:
         mc = ModelConfig.tiny(num_layers=args.num_layers,
-                              sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1))
+                              sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1),
+                              index_cache_dtype=args.index_cache_dtype)
     budget = args.max_num_batched_tokens
     # few buckets keep start-up short; decode batches pad up to the next one
     sizes = tuple(s for s in (8, 32, 128, 512) if s < budget) + (budget,)
@@ -111,8 +116,8 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     print(f"model: {mc.num_layers} layers ({sum(mc.layer_is_msa)} MSA, "
           f"{mc.num_layers - sum(mc.layer_is_msa)} dense), hidden {mc.hidden_size}, heads "
-          f"{mc.num_heads}/{mc.num_kv_heads} x {mc.head_dim}, index dim {mc.index_dim}; "
-          f"attention impl: {runner.attention_impl}")
+          f"{mc.num_heads}/{mc.num_kv_heads} x {mc.head_dim}, index dim {mc.index_dim} "
+          f"({mc.index_cache_jnp_dtype} index-K cache); attention impl: {runner.attention_impl}")
     print(f"runner: {len(runner.buckets)} buckets {[b.num_tokens for b in runner.buckets]}, "
           f"max_num_seqs {rc.max_num_seqs}, max_model_len {rc.max_model_len}, {num_pages} KV pages"
           + (" per rank" if W > 1 else ""))

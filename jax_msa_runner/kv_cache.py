@@ -2,7 +2,9 @@
 
 Layout per attention layer (N = num_pages, page = 128 tokens):
   kv       [N, Hkv, 128, 2*D]  K in [..., :D], V in [..., D:]  (vLLM's MSA layout)
-  index_k  [N, 128, Di]        one index-key vector per token (MSA layers only)
+  index_k  [N, 128, Di]        one index-key vector per token (MSA layers only); the model
+                               dtype or float8_e4m3fn (raw fp8 values, no scale: the indexer
+                               upcasts them; writes clip to the finite range +-448 first)
 Page 0 is the null page (padded block-table entries point at it) and page 1 is the dummy
 scratch page that warm-up / profiling batches write into (``staging.DUMMY_PAGE_ID``); the
 allocator never hands out either. Writes go through ``slot_mapping`` (slot = page * 128 + offset); slot -1
@@ -42,14 +44,19 @@ class KVCaches:
 
 
 def init_kv_caches(num_pages: int, num_kv_heads: int, head_dim: int, index_dim: int,
-                   layer_is_msa: Sequence[bool], dtype=jnp.float32) -> KVCaches:
-    """Zero-filled caches of ``num_pages`` pages (page 0 = null page) for every layer."""
+                   layer_is_msa: Sequence[bool], dtype=jnp.float32,
+                   index_dtype=None) -> KVCaches:
+    """Zero-filled caches of ``num_pages`` pages (page 0 = null page) for every layer.
+
+    kv pages in ``dtype``; index-K pages in ``index_dtype`` (None: ``dtype``).
+    """
     if num_pages <= len(RESERVED_PAGES):
         raise ValueError(f"num_pages: need the reserved pages {RESERVED_PAGES} plus at least one "
                          f"page, got {num_pages}")
+    index_dtype = dtype if index_dtype is None else index_dtype
     kv = tuple(jnp.zeros((num_pages, num_kv_heads, PAGE_SIZE, 2 * head_dim), dtype)
                for _ in layer_is_msa)
-    index_k = tuple(jnp.zeros((num_pages, PAGE_SIZE, index_dim), dtype) if msa else None
+    index_k = tuple(jnp.zeros((num_pages, PAGE_SIZE, index_dim), index_dtype) if msa else None
                     for msa in layer_is_msa)
     return KVCaches(kv=kv, index_k=index_k)
 
@@ -73,10 +80,21 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     return kv_cache.at[page, :, offset].set(new, mode="drop")
 
 
+def cast_index_k(index_k: jax.Array, dtype) -> jax.Array:
+    """index_k (any shape, float) cast to the index-cache ``dtype``. float8_e4m3fn has no inf
+    and turns overflow into NaN, so values are clipped to its finite range +-448 first."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.dtype(jnp.float8_e4m3fn):
+        fmax = float(jnp.finfo(dtype).max)
+        index_k = jnp.clip(index_k, -fmax, fmax)
+    return index_k.astype(dtype)
+
+
 def write_index_k(index_cache: jax.Array, index_k: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter index keys: index_cache [N, 128, Di], index_k [T, Di], slot_mapping [T]."""
+    """Scatter index keys: index_cache [N, 128, Di] (model dtype or float8_e4m3fn),
+    index_k [T, Di] (cast by ``cast_index_k``), slot_mapping [T] int32 (-1 = no write)."""
     page, offset = _page_and_offset(slot_mapping, index_cache.shape[0])
-    return index_cache.at[page, offset].set(index_k.astype(index_cache.dtype), mode="drop")
+    return index_cache.at[page, offset].set(cast_index_k(index_k, index_cache.dtype), mode="drop")
 
 
 # Stand-alone in-place writers (the runner's step does the same inside its own jit).
@@ -85,10 +103,11 @@ write_index_k_donated = jax.jit(write_index_k, donate_argnums=0)
 
 
 def kv_cache_bytes_per_page(num_kv_heads: int, head_dim: int, index_dim: int,
-                            layer_is_msa: Sequence[bool], itemsize: int) -> int:
-    """Bytes one page costs summed over all layers."""
+                            layer_is_msa: Sequence[bool], itemsize: int,
+                            index_itemsize: int | None = None) -> int:
+    """Bytes one page costs summed over all layers (index-K itemsize: ``itemsize`` if None)."""
     per_layer = num_kv_heads * PAGE_SIZE * 2 * head_dim * itemsize
-    index = PAGE_SIZE * index_dim * itemsize
+    index = PAGE_SIZE * index_dim * (itemsize if index_itemsize is None else index_itemsize)
     return sum(per_layer + (index if msa else 0) for msa in layer_is_msa)
 
 

@@ -5,7 +5,8 @@ Per layer: Gemma RMSNorm -> attention -> residual -> Gemma RMSNorm -> dense swig
 RoPE on the first ``rotary_dim`` channels of every head, GQA over the paged cache. Layers
 with ``sparse_attention_freq[i] == 1`` are MSA layers: they also project index queries
 (one head per KV head) and one shared index key, normalise and rotate them with the same
-tables, write the index key into the index-K cache, and attend through
+tables, write the index key into the index-K cache (``index_cache_dtype``: the model dtype
+or float8_e4m3fn: half the O(L) index-K bytes the indexer reads vs bf16), and attend through
 ``msa_layer_attention`` (indexer -> page top-k -> sparse attention). Other layers use dense
 paged causal attention. The released model's MoE MLPs are replaced by one dense swigluoai
 MLP of ``intermediate_size`` (the issue asks for the attention stack).
@@ -34,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_msa_runner.config import MSA_TOPK, PAGE_SIZE, ConfigError, MSAConfig
+from jax_msa_runner.config import (FP8_INDEX_CACHE_DTYPE, MSA_TOPK, PAGE_SIZE, ConfigError,
+                                   MSAConfig)
 from jax_msa_runner.dcp import rank_slot_mapping
 from jax_msa_runner.dcp_attention import DCP_AXIS, rank_dense_attention, rank_msa_attention
 from jax_msa_runner.dense_attention import paged_causal_attention
@@ -76,6 +78,8 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     tie_word_embeddings: bool = False
     dtype: str = "float32"
+    # index-K cache: "auto" (= dtype, the default), dtype's own name, or "float8_e4m3fn"
+    index_cache_dtype: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "sparse_attention_freq",
@@ -99,6 +103,9 @@ class ModelConfig:
             req(self.index_dim >= self.rotary_dim, "index_dim",
                 f"must be >= rotary_dim={self.rotary_dim} (index q/k share the RoPE tables)")
         req(self.dtype in ("float32", "bfloat16"), "dtype", f"float32 or bfloat16, got {self.dtype}")
+        req(self.index_cache_dtype in ("auto", self.dtype, FP8_INDEX_CACHE_DTYPE),
+            "index_cache_dtype", f"one of 'auto', {self.dtype!r} (the model dtype) or "
+            f"{FP8_INDEX_CACHE_DTYPE!r}, got {self.index_cache_dtype!r}")
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -108,6 +115,12 @@ class ModelConfig:
     @property
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
+
+    @property
+    def index_cache_jnp_dtype(self):
+        """dtype of the index-K cache pages ("auto": the model dtype)."""
+        auto = self.index_cache_dtype == "auto"
+        return self.jnp_dtype if auto else jnp.dtype(self.index_cache_dtype)
 
     @property
     def scale(self) -> float:
@@ -262,13 +275,15 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict:
 
 
 def init_caches(config: ModelConfig, num_pages: int, dcp_world_size: int = 1) -> KVCaches:
-    """Empty paged caches for every layer of the model.
+    """Empty paged caches for every layer of the model (kv in ``config.dtype``, index-K in
+    ``config.index_cache_jnp_dtype``).
 
     dcp_world_size == 1: leaves [num_pages, ...]. W > 1: per-rank stacks [W, num_pages, ...]
     (num_pages per rank; rank d's caches are slice d, to be sharded over "dcp").
     """
     caches = init_kv_caches(num_pages, config.num_kv_heads, config.head_dim, config.index_dim,
-                            config.layer_is_msa, dtype=config.jnp_dtype)
+                            config.layer_is_msa, dtype=config.jnp_dtype,
+                            index_dtype=config.index_cache_jnp_dtype)
     if dcp_world_size == 1:
         return caches
     return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (dcp_world_size,) + x.shape),

@@ -7,7 +7,9 @@ keys are all in the causal future.
 
 Shapes / dtypes:
   index_q        [T, H, Di]   bf16 | f16 | f32 (H index heads, Di a power of two >= 16)
-  index_k_cache  [N, 128, Di] same dtype as index_q (one shared index-key head)
+  index_k_cache  [N, 128, Di] index_q's dtype, or float8_e4m3fn (raw fp8 values, no scale;
+                              upcast to index_q's dtype after each page load, before the dot:
+                              exact, and half the bytes of the O(L) index-K scan vs bf16)
   block_table    [R, P]       int32 physical page ids
   req_indices    [T]          int32 request row of each token
   positions      [T]          int32 absolute position of each token
@@ -42,6 +44,7 @@ from pallas_kernels._shapes import NUM_SMS_H200, is_pow2, next_pow2
 PAGE_SIZE = 128
 _MIN_DOT = 16  # Triton dot: M, N, K >= 16
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+FP8_INDEX_K_DTYPE = jnp.dtype(jnp.float8_e4m3fn)  # the one index-K dtype besides index_q's
 
 
 
@@ -69,9 +72,9 @@ def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> No
     if jnp.dtype(index_q.dtype) not in _SUPPORTED_DTYPES:
         raise TypeError(f"index_q: dtype must be one of bfloat16, float16, float32, "
                         f"got {index_q.dtype}")
-    if jnp.dtype(index_k_cache.dtype) != jnp.dtype(index_q.dtype):
-        raise TypeError(f"index_k_cache: dtype must equal index_q's {index_q.dtype}, "
-                        f"got {index_k_cache.dtype}")
+    if jnp.dtype(index_k_cache.dtype) not in (jnp.dtype(index_q.dtype), FP8_INDEX_K_DTYPE):
+        raise TypeError(f"index_k_cache: dtype must be index_q's {index_q.dtype} or "
+                        f"{FP8_INDEX_K_DTYPE}, got {index_k_cache.dtype}")
     if block_table.ndim != 2 or block_table.shape[0] < 1 or block_table.shape[1] < 1:
         raise ValueError(f"block_table: expected shape [R >= 1, P >= 1], got {block_table.shape}")
     for name, arr in (("block_table", block_table), ("req_indices", req_indices),
@@ -135,7 +138,7 @@ def _index_scores_kernel(q_ref, k_ref, bt_ref, req_ref, pos_ref, out_ref, *,
             page = jnp.sum(jnp.where(lane == b - start, chunk_pages, 0))
         else:
             page = jnp.clip(bt_ref[req, b], 0, num_pages_cache - 1)
-        k = k_ref[page, :, :]  # [128, Di], one contiguous page
+        k = k_ref[page, :, :].astype(q.dtype)  # [128, Di], one contiguous page (fp8: upcast)
         s = lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32)  # [128, rows]
         s = jnp.where(b * PAGE_SIZE + key_off <= pos, s, -jnp.inf)
@@ -207,13 +210,14 @@ def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
 def msa_index_scores_reference(index_q: jax.Array, index_k_cache: jax.Array,
                                block_table: jax.Array, req_indices: jax.Array,
                                positions: jax.Array) -> jax.Array:
-    """Pure jnp reference of `msa_index_scores` (same clamping of page and request ids)."""
+    """Pure jnp reference of `msa_index_scores` (same clamping of page and request ids; an
+    fp8 index_k_cache is upcast to index_q's dtype, then to f32, like the kernel)."""
     _validate(index_q, index_k_cache, block_table, req_indices, positions)
     n = index_k_cache.shape[0]
     r, p = block_table.shape
     req = jnp.clip(req_indices, 0, r - 1)
     pages = jnp.clip(block_table[req], 0, n - 1)  # [T, P]
-    k = index_k_cache[pages].astype(jnp.float32)  # [T, P, 128, Di]
+    k = index_k_cache[pages].astype(index_q.dtype).astype(jnp.float32)  # [T, P, 128, Di]
     s = jnp.einsum("thd,tpkd->thpk", index_q.astype(jnp.float32), k,
                    precision=lax.Precision.HIGHEST)
     key = jnp.arange(p)[:, None] * PAGE_SIZE + jnp.arange(PAGE_SIZE)[None, :]  # [P, 128]

@@ -28,7 +28,8 @@ def msa_attention(q, index_q, kv_cache, index_k_cache, md, *, scale, prefill=Fal
 
     Args:
       q: [T, Hq, D] queries; index_q: [T, Hkv, Di] index queries (one index head per group).
-      kv_cache: [N, Hkv, 128, 2D]; index_k_cache: [N, 128, Di] (same block table).
+      kv_cache: [N, Hkv, 128, 2D]; index_k_cache: [N, 128, Di] (same block table),
+        index_q's dtype or float8_e4m3fn (upcast in the indexer).
       md: BatchMetadata (or any pytree with its field names) padded to T tokens.
       scale: softmax scale (static). prefill: use the prefill kernel, which shares page
         loads across consecutive tokens of a request (static). interpret: Pallas interpret.

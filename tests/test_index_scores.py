@@ -1,4 +1,6 @@
 """msa_index_scores (Pallas) vs msa_index_scores_reference (jnp), spec section 2."""
+import re
+
 import chex
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,9 @@ import pytest
 from conftest import INTERPRET
 from pallas_kernels.index_scores import (PAGE_SIZE, default_pages_per_program,
                                          msa_index_scores, msa_index_scores_reference)
+from pallas_kernels.topk_select import msa_index_select, msa_index_select_reference
+
+FP8 = jnp.float8_e4m3fn
 
 # (seq_len, q_len) per request row: one decode token each at the boundary lengths, one long
 # request, one 4-token row (consecutive positions 2046..2049, across a page boundary), and a
@@ -16,10 +21,12 @@ REQUESTS = [(1, 1), (127, 1), (128, 1), (129, 1), (2047, 1), (2048, 1), (2049, 1
 MAX_PAGES = 32
 
 
-def make_batch(seed: int, dtype, num_heads: int, index_dim: int, poison: bool = True):
+def make_batch(seed: int, dtype, num_heads: int, index_dim: int, poison: bool = True,
+               k_dtype=None):
     """Random caches and metadata. Pages are a random permutation of 1..N-2; page 0 is the
     null page; page N-1 is NaN-filled (poison) where a wrapped -1 or a clamped too-large id
-    would land. Block-table entries beyond a request's pages are -1 or N + 7."""
+    would land. Block-table entries beyond a request's pages are -1 or N + 7. The index-K
+    cache is in `k_dtype` (None: `dtype`)."""
     rng = np.random.default_rng(seed)
     pages_per_req = [-(-s // PAGE_SIZE) for s, _ in REQUESTS]
     num_pages = sum(pages_per_req) + 2
@@ -42,7 +49,7 @@ def make_batch(seed: int, dtype, num_heads: int, index_dim: int, poison: bool = 
     if poison:
         k[-1] = np.nan
     q = rng.standard_normal((len(positions), num_heads, index_dim)).astype(np.float32)
-    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(block_table),
+    return (jnp.asarray(q, dtype), jnp.asarray(k, k_dtype or dtype), jnp.asarray(block_table),
             jnp.asarray(req_indices, jnp.int32), jnp.asarray(positions, jnp.int32))
 
 
@@ -71,6 +78,46 @@ def test_matches_reference(dtype, num_heads, index_dim, pages_per_program, prelo
                            pages_per_program=pages_per_program, preload_block_table=preload)
     want = msa_index_scores_reference(q, k, bt, req, pos)
     check_scores(got, want, pos, num_heads)
+
+
+@pytest.mark.parametrize("dtype,num_heads,index_dim,pages_per_program,preload,seed", [
+    (jnp.bfloat16, 3, 64, 64, True, 11),  # H=3 padded to 4; one chunk wider than P=32
+    (jnp.float32, 1, 32, 8, False, 12),
+])
+def test_fp8_index_k_cache_matches_reference(dtype, num_heads, index_dim, pages_per_program,
+                                             preload, seed):
+    """A raw float8_e4m3fn index-K cache with bf16/f32 index queries: kernel == reference
+    (both upcast K to index_q's dtype), bit-equal to the same values stored in index_q's
+    dtype (the upcast is exact), and msa_index_select picks the reference's blocks."""
+    q, k, bt, req, pos = make_batch(seed, dtype, num_heads, index_dim, k_dtype=FP8)
+    assert k.dtype == FP8 and q.dtype == dtype
+    kw = dict(interpret=INTERPRET, pages_per_program=pages_per_program,
+              preload_block_table=preload)
+    got = msa_index_scores(q, k, bt, req, pos, **kw)
+    check_scores(got, msa_index_scores_reference(q, k, bt, req, pos), pos, num_heads)
+    chex.assert_trees_all_equal(got, msa_index_scores(q, k.astype(dtype), bt, req, pos, **kw))
+    sel = msa_index_select(q, k, bt, req, pos, **kw)
+    chex.assert_shape(sel, (pos.shape[0], num_heads, 16))
+    chex.assert_trees_all_equal(sel, msa_index_select_reference(q, k, bt, req, pos))
+
+
+@pytest.mark.parametrize("q_dtype,k_dtype", [
+    (jnp.bfloat16, jnp.float16), (jnp.bfloat16, jnp.float8_e5m2), (jnp.float32, jnp.bfloat16),
+    (jnp.float16, jnp.int8)])
+def test_index_k_cache_dtype_errors(q_dtype, k_dtype):
+    """Only index_q's dtype or float8_e4m3fn; the error names the argument and both dtypes."""
+    q = jnp.zeros((2, 1, 32), q_dtype)
+    k = jnp.zeros((4, PAGE_SIZE, 32), k_dtype)
+    bt = jnp.zeros((1, 2), jnp.int32)
+    ri = jnp.zeros((2,), jnp.int32)
+    msg = re.escape(f"index_k_cache: dtype must be index_q's {jnp.dtype(q_dtype)} or "
+                    f"float8_e4m3fn, got {jnp.dtype(k_dtype)}")
+    with pytest.raises(TypeError, match=msg):
+        msa_index_scores(q, k, bt, ri, ri, interpret=INTERPRET)
+    with pytest.raises(TypeError, match=msg):
+        msa_index_scores_reference(q, k, bt, ri, ri)
+    with pytest.raises(TypeError, match="index_q: dtype"):  # fp8 queries are not supported
+        msa_index_scores(q.astype(FP8), k.astype(FP8), bt, ri, ri, interpret=INTERPRET)
 
 
 def test_reference_against_numpy_loop():

@@ -1,4 +1,6 @@
-"""Paged caches: slot-mapped writes (-1 writes nothing), donation, the block allocator."""
+"""Paged caches: slot-mapped writes (-1 writes nothing), the fp8 index-K cache (clipped writes),
+donation, the block allocator."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,3 +104,27 @@ def test_write_inside_jit_with_donated_pytree():
     new = step_d(caches, jnp.array([130, -1], jnp.int32))
     assert caches.kv[0].is_deleted() and caches.index_k[0].is_deleted()
     assert float(new.kv[0].sum()) == 8.0 and float(new.index_k[0].sum()) == 2.0
+
+
+@pytest.mark.parametrize("src_dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_index_cache_allocates_and_writes_clipped(src_dtype):
+    """index_dtype float8_e4m3fn: index-K pages in fp8 (kv pages keep their dtype); writes clip
+    to +-448 before the cast (an e4m3fn overflow would be NaN), -1 slots write nothing."""
+    fp8 = jnp.float8_e4m3fn
+    c = init_kv_caches(5, 1, 4, 48, [False, True], dtype=jnp.bfloat16, index_dtype=fp8)
+    assert c.kv[1].dtype == jnp.bfloat16 and c.index_k[1].dtype == fp8 and c.index_k[0] is None
+    chex.assert_shape(c.index_k[1], (5, 128, 48))
+    rng = np.random.default_rng(21)
+    ik = (rng.standard_normal((3, 48)) * 200.0).astype(np.float32)
+    ik[0, :4] = [1e4, -1e4, 460.0, -470.0]  # beyond the finite range
+    ik = np.asarray(jnp.asarray(ik, src_dtype).astype(jnp.float32))  # the values as written
+    slots = np.array([4 * 128 + 9, -1, 2 * 128 + 127], np.int32)
+    out = write_index_k_donated(c.index_k[1], jnp.asarray(ik, src_dtype), jnp.asarray(slots))
+    assert out.dtype == fp8
+    got = np.asarray(out.astype(jnp.float32))
+    chex.assert_tree_all_finite(got)
+    expect = np.zeros((5, 128, 48), np.float32)
+    for t in (0, 2):
+        expect[slots[t] // 128, slots[t] % 128] = np.clip(ik[t], -448, 448).astype(fp8)
+    npt.assert_array_equal(got, expect)
+    npt.assert_array_equal(got[4, 9, :4], [448, -448, 448, -448])

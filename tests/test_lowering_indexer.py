@@ -1,5 +1,6 @@
 """The indexer and select kernels lower to Triton for an (abstract) H200 at the benchmark
-shapes of H200_BASELINE.md (bf16): catches GPU-only lowering errors on the CPU."""
+shapes of H200_BASELINE.md (bf16, and a float8_e4m3fn index-K cache): catches GPU-only
+lowering errors on the CPU."""
 import re
 
 import jax
@@ -15,9 +16,10 @@ S = jax.ShapeDtypeStruct
 INDEX_DIM = 128
 
 
-def indexer_args(batch, num_heads, max_pages, dtype=jnp.bfloat16):
+def indexer_args(batch, num_heads, max_pages, dtype=jnp.bfloat16, k_dtype=None):
     num_pages = batch * max_pages + 1
-    return (S((batch, num_heads, INDEX_DIM), dtype), S((num_pages, 128, INDEX_DIM), dtype),
+    return (S((batch, num_heads, INDEX_DIM), dtype),
+            S((num_pages, 128, INDEX_DIM), k_dtype or dtype),
             S((batch, max_pages), jnp.int32), S((batch,), jnp.int32), S((batch,), jnp.int32))
 
 
@@ -58,3 +60,17 @@ def test_f32_and_odd_shapes_lower():
     calls = triton_calls(lower_for_cuda(sparse_topk_select, S((5, 3, 40), jnp.float32),
                                         S((5,), jnp.int32), init_blocks=1, num_warps=8))
     assert calls[0]["num_warps"] == 8
+
+
+@pytest.mark.parametrize("q_dtype,num_heads,pages_per_program", [
+    (jnp.bfloat16, 4, None), (jnp.float16, 1, 16), (jnp.float32, 3, 8)])
+def test_fp8_index_k_cache_lowers(q_dtype, num_heads, pages_per_program):
+    """A float8_e4m3fn index-K cache reaches the kernel as fp8 (no XLA convert of the whole
+    cache before it) and the in-kernel fp8 -> index_q dtype convert lowers to Triton."""
+    args = indexer_args(16, num_heads, 64, q_dtype, k_dtype=jnp.float8_e4m3fn)
+    text = lower_for_cuda(msa_index_select, *args, pages_per_program=pages_per_program)
+    assert not [ln for ln in text.splitlines() if "stablehlo.convert" in ln and "f8E4M3FN" in ln]
+    cache_type = f"tensor<{16 * 64 + 1}x128x{INDEX_DIM}xf8E4M3FN>"
+    assert cache_type in text
+    calls = triton_calls(text)
+    assert sorted(c["name"] for c in calls) == ["msa_index_scores", "sparse_topk_select"]

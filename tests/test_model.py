@@ -1,6 +1,8 @@
-"""The MiniMax-M3-shaped model: building blocks, config loader, MSA == dense below 2048."""
+"""The MiniMax-M3-shaped model: building blocks, config loader, MSA == dense below 2048
+(also with an fp8 index-K cache)."""
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,6 +104,25 @@ def test_config_errors_name_the_field():
             **M3_CONFIG["sparse_attention_config"], "sparse_score_type": "softmax"}})
     with pytest.raises(ConfigError, match="hidden_size"):
         ModelConfig.from_hf_config({k: v for k, v in M3_CONFIG.items() if k != "hidden_size"})
+    for bad, dtype in (("float16", "float32"), ("bfloat16", "float32"), ("fp8", "bfloat16"),
+                       ("float8_e5m2", "bfloat16")):
+        with pytest.raises(ConfigError, match=f"index_cache_dtype: one of 'auto', '{dtype}' "
+                                              f"\\(the model dtype\\) or 'float8_e4m3fn', "
+                                              f"got '{bad}'"):
+            ModelConfig(dtype=dtype, index_cache_dtype=bad)
+
+
+def test_index_cache_dtype_values():
+    """auto / the model dtype's name: unchanged caches; float8_e4m3fn: fp8 index-K pages only."""
+    for dtype in ("float32", "bfloat16"):
+        for name, want in (("auto", dtype), (dtype, dtype), ("float8_e4m3fn", "float8_e4m3fn")):
+            c = ModelConfig.tiny(dtype=dtype, index_cache_dtype=name)
+            assert c.index_cache_jnp_dtype == jnp.dtype(want)
+            caches = jax.eval_shape(lambda: init_caches(c, num_pages=4))
+            assert {x.dtype for x in caches.kv} == {jnp.dtype(dtype)}
+            assert [x is None for x in caches.index_k] == [not m for m in c.layer_is_msa]
+            assert {x.dtype for x in caches.index_k if x is not None} == {jnp.dtype(want)}
+    assert ModelConfig().index_cache_dtype == "auto"
 
 
 def test_tiny_default_has_dense_and_msa_layers():
@@ -133,8 +154,9 @@ def test_paged_attention_matches_naive():
             npt.assert_allclose(float(lse[t, h]), s.max() + np.log(p.sum()), rtol=1e-5)
 
 
-def _prefill_logits(params, config, rconfig, prompts, chunk, mode):
-    """Chunked prefill of all prompts together; returns per-prompt logits [len, V]."""
+def _prefill_logits(params, config, rconfig, prompts, chunk, mode, return_caches=False):
+    """Chunked prefill of all prompts together; returns per-prompt logits [len, V] (and the
+    final caches and per-prompt pages if ``return_caches``)."""
     caches = init_caches(config, num_pages=2 + sum(-(-len(p) // 128) for p in prompts))
     pages, nxt = [], 2
     for p in prompts:
@@ -163,7 +185,8 @@ def _prefill_logits(params, config, rconfig, prompts, chunk, mode):
             outs[i].append(logits[off:off + s])
             off += s
             done[i] += s
-    return [np.concatenate(o) for o in outs]
+    logits = [np.concatenate(o) for o in outs]
+    return (logits, caches, pages) if return_caches else logits
 
 
 def test_msa_logits_equal_dense_below_2048():
@@ -184,6 +207,35 @@ def test_msa_logits_equal_dense_below_2048():
     dense = _prefill_logits(params, config, rconfig, prompts, 512, "dense")
     for m, d in zip(msa, dense):
         npt.assert_allclose(m, d, atol=2e-4, rtol=0)
+
+
+def test_fp8_index_cache_msa_logits_equal_dense_below_2048():
+    """float8_e4m3fn index-K cache (f32 model): the chunked prefill writes finite, non-zero fp8
+    index keys for every prompt token, and MSA logits still equal dense below 2048 tokens
+    (every visible page is selected). Prompts end mid-page; chunks of 192 tokens."""
+    config = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), num_heads=4,
+                              head_dim=32, rotary_dim=16, index_dim=32,
+                              index_cache_dtype="float8_e4m3fn")
+    params = init_params(config, seed=17)
+    rconfig = RunnerConfig(max_num_seqs=2, max_num_batched_tokens=192, max_model_len=2048,
+                           bucket_sizes=(192,))
+    rng = np.random.default_rng(17)
+    prompts = [rng.integers(0, config.vocab_size, n).astype(np.int32) for n in (333, 150)]
+    msa, caches, pages = _prefill_logits(params, config, rconfig, prompts, 192, "msa",
+                                         return_caches=True)
+    dense = _prefill_logits(params, config, rconfig, prompts, 192, "dense")
+    for m, d in zip(msa, dense):
+        chex.assert_shape(m, d.shape)
+        chex.assert_tree_all_finite(m)
+        chex.assert_trees_all_close(m, d, atol=2e-4, rtol=0)
+    assert caches.index_k[0] is None and caches.kv[1].dtype == jnp.float32
+    assert caches.index_k[1].dtype == jnp.float8_e4m3fn
+    ik = np.asarray(caches.index_k[1].astype(jnp.float32))
+    written = np.concatenate([ik[pg].reshape(-1, config.index_dim)[:len(p)]
+                              for pg, p in zip(pages, prompts)])  # [333 + 150, Di]
+    chex.assert_tree_all_finite(written)
+    assert (np.abs(written).max(axis=1) > 0).all()  # every prompt token's key was written
+    npt.assert_array_equal(ik[1], 0.0)  # the dummy page stays untouched
 
 
 def test_msa_layer_attention_sparse_beyond_2048():

@@ -1,8 +1,10 @@
-"""Runner pieces: host buffer layout, sampling, compile counter, start-up errors.
+"""Runner pieces: host buffer layout, sampling, compile counter, start-up errors, serving
+with an fp8 index-K cache.
 
 The compiled end-to-end behaviour (warm-up, serving, zero compiles) is in test_serving_e2e.py,
 which shares one warmed-up runner across its tests to keep CI cheap.
 """
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,8 @@ from jax_msa_runner.config import RunnerConfig
 from jax_msa_runner.dcp_attention import DCPError
 from jax_msa_runner.model import ModelConfig
 from jax_msa_runner.runner import (ModelRunner, host_buffer_size, pack_step_inputs,
-                                   sample_tokens)
+                                   sample_tokens, serve)
+from jax_msa_runner.scheduler import Request, Scheduler, SchedulerConfig
 from jax_msa_runner.staging import pack_host_batch, packed_size, stage_packed
 
 
@@ -78,3 +81,29 @@ def test_runner_rejects_bad_setup():
     assert r.attention_impl == ("pallas" if jax.default_backend() == "gpu" else "reference")
     with pytest.raises(RuntimeError, match="before warm_up"):
         r.execute(None)
+
+
+def test_fp8_index_cache_serves():
+    """A runner with a float8_e4m3fn index-K cache (f32 model) warms up, serves a mixed
+    workload (prompts ending mid-page, chunked prefill + decode) without compiling, and keeps
+    its index pages fp8 and finite through the donated steps (numerics: test_model.py)."""
+    mc = ModelConfig.tiny(num_layers=1, sparse_attention_freq=(1,), num_heads=4, head_dim=32,
+                          rotary_dim=16, index_dim=32, index_cache_dtype="float8_e4m3fn")
+    rc = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=320,
+                      bucket_sizes=(32,))
+    runner = ModelRunner(mc, rc, num_pages=12, seed=23, attention_impl="reference", debug=True)
+    assert runner.caches.index_k[0].dtype == jnp.float8_e4m3fn
+    runner.warm_up()
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32,
+                                      max_model_len=320, num_pages=12))
+    rng = np.random.default_rng(23)
+    for i, n in enumerate((200, 37, 129)):
+        sched.add_request(Request(i, tuple(int(t) for t in rng.integers(0, mc.vocab_size, n)), 6))
+    stats = serve(runner, sched)
+    assert stats.compilations == 0 and len(sched.finished) == 3
+    assert all(len(r.output) == 6 for r in sched.finished.values())
+    ik = runner.caches.index_k[0]
+    assert ik.dtype == jnp.float8_e4m3fn and runner.caches.kv[0].dtype == jnp.float32
+    chex.assert_shape(ik, (12, 128, 32))
+    chex.assert_tree_all_finite(ik.astype(jnp.float32))
+    assert float(jnp.abs(ik[2:].astype(jnp.float32)).max()) > 0  # request pages were written
