@@ -11,6 +11,15 @@ the sparse loop; the dense loop runs the same weights with every layer on dense 
 attention (``attention_mode="dense"``). The LM head uses a 32768-token vocabulary (its cost
 is context independent). Reported: step time (median of ``--iters``), decode tokens/s = B /
 step time, and the sparse step time at each context relative to the smallest context.
+
+``--index-cache-dtype`` (default bfloat16) is a comma-separated list of index-K cache dtypes,
+bfloat16 and/or float8_e4m3fn (raw fp8 keys, half the bytes of the indexer's O(L) scan):
+the MSA points run once per dtype, the dense points (which never read the index-K cache)
+once, with the first dtype listed. Every result row carries its ``index_cache_dtype``; MSA
+rows of later dtypes also get ``ratio_vs_first_dtype`` (step time / the first dtype's at the
+same B and context). Besides DIR/serving.json the same rows go to DIR/serving.md (a table).
+
+    python3 bench/serving.py --out DIR --index-cache-dtype bfloat16,float8_e4m3fn
 """
 from __future__ import annotations
 
@@ -35,11 +44,15 @@ from jax_msa_runner.runner import pack_step_inputs, sample_tokens  # noqa: E402
 from jax_msa_runner.staging import pack_host_batch, packed_size, stage_packed  # noqa: E402
 
 
-def bench_config(layers: int) -> ModelConfig:
+INDEX_CACHE_DTYPES = ("bfloat16", "float8_e4m3fn")
+
+
+def bench_config(layers: int, index_cache_dtype: str = "bfloat16") -> ModelConfig:
     return ModelConfig(vocab_size=32768, hidden_size=6144, num_layers=layers, num_heads=16,
                        num_kv_heads=1, head_dim=128, rotary_dim=64, rope_theta=5e6,
                        intermediate_size=3072, num_index_heads=1, index_dim=128,
-                       sparse_attention_freq=(1,) * layers, dtype="bfloat16")
+                       sparse_attention_freq=(1,) * layers, dtype="bfloat16",
+                       index_cache_dtype=index_cache_dtype)
 
 
 def make_step(bucket, rconfig, mconfig, impl, mode):
@@ -89,59 +102,105 @@ def run_point(params, mconfig, batch, context, impl, mode, iters):
         times.append(time.perf_counter() - t)
     del caches
     ms = float(np.median(times) * 1e3)
-    return {"mode": mode, "batch": batch, "context": context, "step_ms": ms,
+    return {"mode": mode, "index_cache_dtype": mconfig.index_cache_dtype, "batch": batch,
+            "context": context, "step_ms": ms,
             "step_ms_min": float(np.min(times) * 1e3), "tokens_per_s": batch / (ms / 1e3),
             "compile_s": compile_s, "kv_pages": num_pages}
 
 
+def parse_index_cache_dtypes(text: str) -> list[str]:
+    """'bfloat16,float8_e4m3fn' -> the listed dtypes (each once, in order); others: error."""
+    dtypes = list(dict.fromkeys(d.strip() for d in text.split(",") if d.strip()))
+    bad = [d for d in dtypes if d not in INDEX_CACHE_DTYPES]
+    if not dtypes or bad:
+        raise argparse.ArgumentTypeError(f"index cache dtypes must be from {INDEX_CACHE_DTYPES}, "
+                                         f"got {text!r}")
+    return dtypes
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The result rows as a markdown table (one line per point, errors included)."""
+    lines = ["| index cache | mode | B | context | step ms | tok/s | vs smallest ctx | "
+             "vs first dtype |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        head = f"| {r['index_cache_dtype']} | {r['mode']} | {r['batch']} | {r['context']} |"
+        if "error" in r:
+            lines.append(f"{head} ERROR {r['error'][:80].replace('|', '/')} | | | |")
+            continue
+        cells = [format(r[key], fmt) if key in r else "-" for key, fmt in (
+            ("step_ms", ".3f"), ("tokens_per_s", ".1f"), ("ratio_vs_smallest_context", ".2f"),
+            ("ratio_vs_first_dtype", ".2f"))]
+        lines.append(f"{head} {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="directory for serving.json")
+    ap.add_argument("--out", required=True, help="directory for serving.json and serving.md")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--impl", default=None, choices=("pallas", "reference"))
     ap.add_argument("--modes", default="msa,dense")
+    ap.add_argument("--index-cache-dtype", type=parse_index_cache_dtypes, default="bfloat16",
+                    help=f"comma-separated index-K cache dtypes from {INDEX_CACHE_DTYPES} "
+                         f"(MSA points run once per dtype; dense once, with the first)")
     args = ap.parse_args(argv)
     impl = args.impl or default_attention_impl()
-    mconfig = bench_config(args.layers)
-    params = init_params(mconfig, seed=0)
+    dtypes = args.index_cache_dtype
+    mconfigs = {d: bench_config(args.layers, d) for d in dtypes}
+    params = init_params(mconfigs[dtypes[0]], seed=0)  # the same weights for every dtype
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     dev = jax.devices()[0]
     results = []
     print(f"device {dev.device_kind}, impl {impl}, {args.layers} layers, bf16, per-rank Hq 16 / Hkv 1 / "
-          f"D 128 / Di 128")
-    print(f"{'mode':>6} {'B':>4} {'ctx':>7} {'step ms':>9} {'tok/s':>10}")
+          f"D 128 / Di 128, index cache {','.join(dtypes)}")
+    print(f"{'index cache':>13} {'mode':>6} {'B':>4} {'ctx':>7} {'step ms':>9} {'tok/s':>10}")
     for mode in args.modes.split(","):
-        for b in batches:
-            for c in contexts:
-                try:
-                    r = run_point(params, mconfig, b, c, impl, mode, args.iters)
-                except Exception as e:  # noqa: BLE001 - record (e.g. OOM) and keep going
-                    r = {"mode": mode, "batch": b, "context": c, "error": f"{type(e).__name__}: {e}"[:500]}
-                    print(f"{mode:>6} {b:>4} {c:>7}  ERROR {r['error'][:120]}")
-                else:
-                    print(f"{mode:>6} {b:>4} {c:>7} {r['step_ms']:9.3f} {r['tokens_per_s']:10.1f}")
-                results.append(r)
-                sys.stdout.flush()
-    # flatness of the sparse step: step time at each context / at the smallest context
-    for b in batches:
-        base = next((r for r in results if r.get("mode") == "msa" and r["batch"] == b
-                     and r["context"] == contexts[0] and "step_ms" in r), None)
-        for r in results:
-            if base and r.get("mode") == "msa" and r["batch"] == b and "step_ms" in r:
-                r["ratio_vs_smallest_context"] = r["step_ms"] / base["step_ms"]
+        for dtype in (dtypes if mode == "msa" else dtypes[:1]):
+            for b in batches:
+                for c in contexts:
+                    try:
+                        r = run_point(params, mconfigs[dtype], b, c, impl, mode, args.iters)
+                    except Exception as e:  # noqa: BLE001 - record (e.g. OOM) and keep going
+                        r = {"mode": mode, "index_cache_dtype": dtype, "batch": b, "context": c,
+                             "error": f"{type(e).__name__}: {e}"[:500]}
+                        print(f"{dtype:>13} {mode:>6} {b:>4} {c:>7}  ERROR {r['error'][:120]}")
+                    else:
+                        print(f"{dtype:>13} {mode:>6} {b:>4} {c:>7} {r['step_ms']:9.3f} "
+                              f"{r['tokens_per_s']:10.1f}")
+                    results.append(r)
+                    sys.stdout.flush()
+
+    def msa_row(dtype, b, c):
+        return next((r for r in results if r["mode"] == "msa" and r["index_cache_dtype"] == dtype
+                     and r["batch"] == b and r["context"] == c and "step_ms" in r), None)
+
+    for r in results:
+        if r["mode"] != "msa" or "step_ms" not in r:
+            continue
+        # flatness of the sparse step: step time at each context / at the smallest context
+        base = msa_row(r["index_cache_dtype"], r["batch"], contexts[0])
+        if base:
+            r["ratio_vs_smallest_context"] = r["step_ms"] / base["step_ms"]
+        first = msa_row(dtypes[0], r["batch"], r["context"])
+        if first and r["index_cache_dtype"] != dtypes[0]:
+            r["ratio_vs_first_dtype"] = r["step_ms"] / first["step_ms"]
     out = {"device": dev.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
-           "impl": impl, "layers": args.layers, "dtype": "bfloat16",
-           "model": dataclasses.asdict(mconfig), "iters": args.iters, "results": results}
+           "impl": impl, "layers": args.layers, "dtype": "bfloat16", "index_cache_dtypes": dtypes,
+           "model": dataclasses.asdict(mconfigs[dtypes[0]]), "iters": args.iters,
+           "results": results}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "serving.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"wrote {path}")
-
+    md_path = os.path.join(args.out, "serving.md")
+    with open(md_path, "w") as f:
+        f.write(f"{dev.device_kind}, impl {impl}, {args.layers} layers, bf16 model, median of "
+                f"{args.iters} steps\n\n" + markdown_table(results))
+    print(f"wrote {path} and {md_path}")
 
 if __name__ == "__main__":
     main()
