@@ -108,14 +108,16 @@ _FLUSH_ELEMS = 64 * 1024 * 1024  # 256 MiB of f32: larger than the 50 MiB L2
 FLUSHES = ("write", "read")
 
 
-def _flush(buf, mode: str):
-    """A 256 MiB pass that evicts the L2 -> ``(buf, token)``. ``write`` rewrites the buffer,
-    leaving ~50 MiB of dirty lines whose write-back lands in the timed kernel (what
-    ``triton.testing.do_bench``'s ``zero_()`` does); ``read`` sums it, leaving clean lines."""
+def _flush(buf, a, mode: str):
+    """A 256 MiB pass that evicts the L2 and orders ``a`` after it -> ``(buf, keep, a)``;
+    return ``keep`` so the pass is not dropped. ``write`` rewrites the buffer, leaving ~50 MiB
+    of dirty lines whose write-back lands in the timed kernel (what ``triton.testing.do_bench``'s
+    ``zero_()`` does); ``read`` sums it, leaving clean lines."""
     if mode == "write":
-        buf = buf + 1.0
-        return buf, buf
-    return buf, jnp.sum(buf)
+        buf, a = jax.lax.optimization_barrier((buf + 1.0, a))
+        return buf, (), a
+    total, a = jax.lax.optimization_barrier((jnp.sum(buf), a))
+    return buf, total, a
 
 
 def time_jax(fn, args, *, reps: int, trials: int, flush: str = "write") -> list[float]:
@@ -127,12 +129,15 @@ def time_jax(fn, args, *, reps: int, trials: int, flush: str = "write") -> list[
     flush inside one executable, so the two never overlap.
     """
     def flushed_call(buf, a):
-        buf, token = _flush(buf, flush)
-        token, a = jax.lax.optimization_barrier((token, a))
-        return buf, token, fn(*a)
+        buf, keep, a = _flush(buf, a, flush)
+        return buf, keep, fn(*a)
+
+    def flush_only(buf, a):
+        buf, keep, _ = _flush(buf, a, flush)
+        return buf, keep
 
     with_fn = jax.jit(flushed_call, donate_argnums=0)
-    flush_only = jax.jit(lambda buf, a: _flush(buf, flush), donate_argnums=0)
+    flush_only = jax.jit(flush_only, donate_argnums=0)
     buf = jnp.zeros((_FLUSH_ELEMS,), jnp.float32)
 
     def run(step) -> float:
