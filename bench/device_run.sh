@@ -3,8 +3,6 @@
 # Usage (device tool, carry .vllm_ops):  bash bench/device_run.sh [kernels|tests|all] [bench args]
 # Results land in $OUT (gpu_tests.log, kernels.json, kernels.md, roofline.png); the device
 # tool returns at most 8 files, so logs that duplicate the JSON stay on the machine.
-# Two flush conventions in one call: OUT=$OUT/write bash bench/device_run.sh all --flush write;
-# OUT=$OUT/read bash bench/device_run.sh kernels --flush read
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
 what=${1:-all}; shift || true

@@ -10,11 +10,10 @@ tokens in 1/16/64/128, every request at context L in 8192/65536) it times, in on
 
 Timing. Both sides are timed with a 256 MiB L2 flush before every call (cold L2): JAX as
 wall(n x (flush; f)) - wall(n x flush) with async dispatch (the flush keeps the GPU busy, so
-host dispatch is hidden); vLLM with CUDA events around each call after the same flush. The
-flush either rewrites the buffer (`--flush write`, `triton.testing.do_bench`'s convention: it
-leaves ~50 MiB of dirty L2 lines whose write-back the timed kernel pays) or sums it (`--flush
-read`: clean lines, inputs still cold). Each figure is the median of `--trials` trials, and the
-two sides are interleaved per shape.
+host dispatch is hidden); vLLM with CUDA events around each call after the same kind of flush
+(a 256 MiB rewrite, `triton.testing.do_bench`'s convention; it leaves ~50 MiB of dirty L2
+lines whose write-back the timed kernel pays, on both sides). Each figure is the median of
+`--trials` trials, and the two sides are interleaved per shape.
 
 Usage (on the GPU machine): python3 bench/kernels.py --out DIR [--vllm-ops .vllm_ops]
 Writes DIR/kernels.json, DIR/kernels.md (the results table) and DIR/roofline.png.
@@ -105,22 +104,15 @@ def our_decode(x: dict, selected: jax.Array) -> tuple[jax.Array, jax.Array]:
 _FLUSH_ELEMS = 64 * 1024 * 1024  # 256 MiB of f32: larger than the 50 MiB L2
 
 
-FLUSHES = ("write", "read")
+def _flush(buf):
+    """Rewrites the 256 MiB buffer: evicts the L2, as ``triton.testing.do_bench``'s ``zero_()``
+    does. The ~50 MiB of dirty lines it leaves are written back during the timed call (extra
+    DRAM traffic both sides pay). A read pass instead (a sum) left part of the previous call's
+    inputs in L2 on the H200 (decode measured above the copy bandwidth): not a cold L2."""
+    return buf + 1.0
 
 
-def _flush(buf, a, mode: str):
-    """A 256 MiB pass that evicts the L2 and orders ``a`` after it -> ``(buf, keep, a)``;
-    return ``keep`` so the pass is not dropped. ``write`` rewrites the buffer, leaving ~50 MiB
-    of dirty lines whose write-back lands in the timed kernel (what ``triton.testing.do_bench``'s
-    ``zero_()`` does); ``read`` sums it, leaving clean lines."""
-    if mode == "write":
-        buf, a = jax.lax.optimization_barrier((buf + 1.0, a))
-        return buf, (), a
-    total, a = jax.lax.optimization_barrier((jnp.sum(buf), a))
-    return buf, total, a
-
-
-def time_jax(fn, args, *, reps: int, trials: int, flush: str = "write") -> list[float]:
+def time_jax(fn, args, *, reps: int, trials: int) -> list[float]:
     """Seconds per call of fn(*args) with a cold L2, one sample per trial.
 
     Two executables: (flush; barrier; fn) and flush alone, each dispatched `reps` times
@@ -129,33 +121,30 @@ def time_jax(fn, args, *, reps: int, trials: int, flush: str = "write") -> list[
     flush inside one executable, so the two never overlap.
     """
     def flushed_call(buf, a):
-        buf, keep, a = _flush(buf, a, flush)
-        return buf, keep, fn(*a)
-
-    def flush_only(buf, a):
-        buf, keep, _ = _flush(buf, a, flush)
-        return buf, keep
+        buf = _flush(buf)
+        buf, a = jax.lax.optimization_barrier((buf, a))
+        return buf, fn(*a)
 
     with_fn = jax.jit(flushed_call, donate_argnums=0)
-    flush_only = jax.jit(flush_only, donate_argnums=0)
+    flush_only = jax.jit(lambda buf, a: (_flush(buf), None), donate_argnums=0)
     buf = jnp.zeros((_FLUSH_ELEMS,), jnp.float32)
 
     def run(step) -> float:
         nonlocal buf
-        buf, *out = step(buf, args)  # warm-up / compile
+        buf, out = step(buf, args)  # warm-up / compile
         jax.block_until_ready((buf, out))
         t0 = time.perf_counter()
         for _ in range(reps):
-            buf, *out = step(buf, args)
+            buf, out = step(buf, args)
         jax.block_until_ready((buf, out))
         return time.perf_counter() - t0
 
     return [max((run(with_fn) - run(flush_only)) / reps, 1e-9) for _ in range(trials)]
 
 
-def time_torch(fn, *, flush: str, reps: int = 50) -> float:
+def time_torch(fn, *, reps: int = 50) -> float:
     """Seconds per call of a torch/Triton fn with a cold L2: CUDA events around fn after each
-    flush (``write``: ``zero_()`` as in ``do_bench``; ``read``: a sum), median of ``reps``."""
+    256 MiB ``zero_()`` flush (``triton.testing.do_bench``'s method), median of ``reps``."""
     import torch
 
     buf = torch.empty(_FLUSH_ELEMS, dtype=torch.float32, device="cuda")
@@ -163,10 +152,7 @@ def time_torch(fn, *, flush: str, reps: int = 50) -> float:
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
           for _ in range(reps)]
     for start, end in ev:
-        if flush == "write":
-            buf.zero_()
-        else:
-            buf.sum()
+        buf.zero_()
         start.record()
         fn()
         end.record()
@@ -214,8 +200,7 @@ def load_vllm(ops_dir: str):
     return minimax_m3_index_decode, minimax_m3_sparse_attn_decode
 
 
-def vllm_case(ops, shape: Shape, x: dict, selected: jax.Array, *, trials: int,
-              flush: str) -> dict:
+def vllm_case(ops, shape: Shape, x: dict, selected: jax.Array, *, trials: int) -> dict:
     """vLLM's indexer on the inputs, and its decode on OUR selection (same inputs both sides)."""
     import torch
 
@@ -236,8 +221,8 @@ def vllm_case(ops, shape: Shape, x: dict, selected: jax.Array, *, trials: int,
 
     decode()
     torch.cuda.synchronize()
-    ti = [time_torch(indexer, flush=flush) for _ in range(trials)]
-    td = [time_torch(decode, flush=flush) for _ in range(trials)]
+    ti = [time_torch(indexer) for _ in range(trials)]
+    td = [time_torch(decode) for _ in range(trials)]
     return {"vllm_indexer_s": ti, "vllm_decode_s": td,
             "vllm_selected": np.asarray(vllm_sel.transpose(0, 1).cpu()),  # [B, Hkv, 16]
             "vllm_out": out.float().cpu().numpy()}
@@ -258,7 +243,7 @@ def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int, flush: str) -> dict:
+def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int) -> dict:
     """Times both sides on the same inputs, interleaved over two rounds; medians of all samples."""
     x = make_inputs(shape, seed)
     indexer = jax.jit(our_indexer)
@@ -270,14 +255,12 @@ def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int, flush: 
     samples = {k: [] for k in ("ours_indexer_s", "ours_decode_s", "vllm_indexer_s",
                                "vllm_decode_s")}
     for _ in range(2):
-        samples["ours_indexer_s"] += time_jax(indexer, (x,), reps=reps, trials=trials,
-                                              flush=flush)
-        samples["ours_decode_s"] += time_jax(decode, (x, selected), reps=reps, trials=trials,
-                                             flush=flush)
+        samples["ours_indexer_s"] += time_jax(indexer, (x,), reps=reps, trials=trials)
+        samples["ours_decode_s"] += time_jax(decode, (x, selected), reps=reps, trials=trials)
         if ops is None or "vllm_err" in row:
             continue
         try:
-            v = vllm_case(ops, shape, x, selected, trials=trials, flush=flush)
+            v = vllm_case(ops, shape, x, selected, trials=trials)
         except Exception as e:
             row["vllm_err"] = repr(e)[:500]
             continue
@@ -332,8 +315,7 @@ def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int) -> list[dict
 def markdown(result: dict) -> str:
     bw = result["copy"]["copy_Bps"]
     lines = [f"Device: {result['device']}; date {result['date']}; copy bandwidth "
-             f"{bw / 1e12:.2f} TB/s (read + write), measured in the same run; L2 flush before "
-             f"each call: {result.get('flush', 'write')}.", "",
+             f"{bw / 1e12:.2f} TB/s (read + write), measured in the same run.", "",
              "| Hq/Hkv | B | L | ours idx+sel us | vLLM idx us | speedup | idx % copy BW "
              "| ours decode us | vLLM decode us | speedup | decode % copy BW | sel agree | rel err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -391,9 +373,6 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shapes", default="all", help="'all' or a comma list of indices")
     p.add_argument("--sweep", default="", help="comma list of shape indices to sweep tunables on")
-    p.add_argument("--flush", choices=FLUSHES, default="write",
-                   help="L2 eviction before each timed call: write (dirty lines, do_bench's "
-                        "convention) or read (clean lines)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     ops = load_vllm(args.vllm_ops)
@@ -401,12 +380,10 @@ def main(argv=None) -> int:
     if args.shapes != "all":
         shapes = [shapes[int(i)] for i in args.shapes.split(",")]
     result = {"device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
-              "vllm": ops is not None, "flush": args.flush, "copy": copy_bandwidth(),
-              "rows": []}
+              "vllm": ops is not None, "copy": copy_bandwidth(), "rows": []}
     print(f"copy bandwidth {result['copy']['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
     for shape in shapes:
-        row = bench_shape(shape, ops, reps=args.reps, trials=args.trials, seed=args.seed,
-                          flush=args.flush)
+        row = bench_shape(shape, ops, reps=args.reps, trials=args.trials, seed=args.seed)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         with open(os.path.join(args.out, "kernels.json"), "w") as f:
