@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import INTERPRET
-from pallas_kernels.index_scores import (PAGE_SIZE, default_pages_per_program,
+from pallas_kernels.index_scores import (PAGE_SIZE, default_pages_per_program, dot_dtype,
                                          msa_index_scores, msa_index_scores_reference)
 from pallas_kernels.topk_select import msa_index_select, msa_index_select_reference
 
@@ -87,18 +87,34 @@ def test_matches_reference(dtype, num_heads, index_dim, pages_per_program, prelo
 def test_fp8_index_k_cache_matches_reference(dtype, num_heads, index_dim, pages_per_program,
                                              preload, seed):
     """A raw float8_e4m3fn index-K cache with bf16/f32 index queries: kernel == reference
-    (both upcast K to index_q's dtype), bit-equal to the same values stored in index_q's
-    dtype (the upcast is exact), and msa_index_select picks the reference's blocks."""
+    (both cast to `dot_dtype`: f16 for bf16 queries), equal within f32 rounding to the same
+    values stored in index_q's dtype (the casts are exact for queries in f16's normal range),
+    and msa_index_select picks the reference's blocks."""
     q, k, bt, req, pos = make_batch(seed, dtype, num_heads, index_dim, k_dtype=FP8)
     assert k.dtype == FP8 and q.dtype == dtype
     kw = dict(interpret=INTERPRET, pages_per_program=pages_per_program,
               preload_block_table=preload)
     got = msa_index_scores(q, k, bt, req, pos, **kw)
     check_scores(got, msa_index_scores_reference(q, k, bt, req, pos), pos, num_heads)
-    chex.assert_trees_all_equal(got, msa_index_scores(q, k.astype(dtype), bt, req, pos, **kw))
+    check_scores(got, msa_index_scores(q, k.astype(dtype), bt, req, pos, **kw), pos, num_heads)
     sel = msa_index_select(q, k, bt, req, pos, **kw)
     chex.assert_shape(sel, (pos.shape[0], num_heads, 16))
     chex.assert_trees_all_equal(sel, msa_index_select_reference(q, k, bt, req, pos))
+
+
+def test_fp8_cache_bf16_queries_dot_in_f16_clipped():
+    """bf16 queries over an fp8 cache score in f16 (`dot_dtype`); a query beyond f16's range
+    is clipped to +-65504, never inf: scores stay finite and equal the reference's."""
+    assert dot_dtype(jnp.bfloat16, FP8) == jnp.float16
+    assert dot_dtype(jnp.float32, FP8) == jnp.float32
+    assert dot_dtype(jnp.bfloat16, jnp.bfloat16) == jnp.bfloat16
+    q, k, bt, req, pos = make_batch(13, jnp.bfloat16, 2, 32, k_dtype=FP8)
+    q = q.at[0, 0, :4].set(jnp.bfloat16(1e6)).at[1, 1, 5].set(jnp.bfloat16(-3e5))
+    got = msa_index_scores(q, k, bt, req, pos, interpret=INTERPRET)
+    want = msa_index_scores_reference(q, k, bt, req, pos)
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-2)
+    visible = np.isfinite(np.asarray(want))
+    assert visible.any() and np.isfinite(np.asarray(got))[visible].all()
 
 
 @pytest.mark.parametrize("q_dtype,k_dtype", [
