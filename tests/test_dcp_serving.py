@@ -13,10 +13,12 @@ Measured on this workload: min greedy margin 0.043, max |logit diff| 1.8e-6 (W=2
 (W=4), max |cache diff| 2.6e-6. Also: preemption with rank-local pages, one W=2 run through
 the Pallas kernels (interpret mode), and the error for more ranks than devices.
 """
+import dataclasses
 import os
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import numpy.testing as npt
 import pytest
@@ -111,10 +113,10 @@ def _serve_recording(runner, reqs, world_size, *, budget=BUDGET, max_len=MAX_LEN
                 preemptions=sched.num_preemptions)
 
 
-def _runner(world_size, impl="reference", **kw):
+def _runner(world_size, impl="reference", mc=MC, **kw):
     rc = _rconfig(world_size, **kw)
     n_pages = _num_pages(LENS, NEW_TOKENS, world_size)
-    runner = ModelRunner(MC, rc, num_pages=n_pages, seed=1, attention_impl=impl, debug=True)
+    runner = ModelRunner(mc, rc, num_pages=n_pages, seed=1, attention_impl=impl, debug=True)
     runner.warm_up()
     return runner
 
@@ -194,6 +196,21 @@ def test_dcp_pallas_kernels_interpret_equal_single_device_reference():
     dist = _serve_recording(runner, reqs(), 2, **kw)
     _assert_same_serving(single, dist)
     assert dist["compilations"] == 0
+
+
+def test_dcp_with_fp8_index_cache_equals_single_device():
+    """An fp8 index-K cache under DCP (W = 2): every rank's index pages stay fp8 and the
+    logits and greedy outputs equal one device's serving with the same fp8 cache."""
+    mc = dataclasses.replace(MC, index_cache_dtype="float8_e4m3fn")
+    single = _serve_recording(_runner(1, mc=mc), _requests(LENS, NEW_TOKENS), 1)
+    runner = _runner(2, mc=mc)
+    index_pages = [leaf for leaf in runner.caches.index_k if leaf is not None]
+    assert index_pages and all(leaf.dtype == jnp.float8_e4m3fn for leaf in index_pages)
+    dist = _serve_recording(runner, _requests(LENS, NEW_TOKENS), 2)
+    _assert_same_serving(single, dist)
+    assert dist["compilations"] == 0
+    chex.assert_tree_all_finite([leaf.astype(np.float32) for leaf in runner.caches.index_k
+                                 if leaf is not None])
 
 
 def test_more_ranks_than_devices_is_a_clear_error():
