@@ -1,4 +1,5 @@
 """Small shape helpers shared by the kernels (Triton needs power-of-two block sizes)."""
+from jax.experimental import pallas as pl
 
 NUM_SMS_H200 = 132  # streaming multiprocessors of an H200: grids are sized to fill them
 
@@ -10,3 +11,9 @@ def next_pow2(x: int) -> int:
 
 def is_pow2(x: int) -> bool:
     return x >= 1 and (x & (x - 1)) == 0
+
+
+def whole_block(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """BlockSpec of the whole array, the same block for every program (the kernel indexes it:
+    caches, block tables, per-token metadata)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))

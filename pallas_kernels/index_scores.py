@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._shapes import NUM_SMS_H200, is_pow2, next_pow2
+from pallas_kernels._shapes import NUM_SMS_H200, is_pow2, next_pow2, whole_block
 
 PAGE_SIZE = 128
 _MIN_DOT = 16  # Triton dot: M, N, K >= 16
@@ -208,10 +208,10 @@ def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
         grid=(t, num_chunks),
         in_specs=[
             pl.BlockSpec((None, hs, di), lambda i, c: (i, 0, 0)),
-            pl.BlockSpec((n, PAGE_SIZE, di), lambda i, c: (0, 0, 0)),
-            pl.BlockSpec((r, p), lambda i, c: (0, 0)),
-            pl.BlockSpec((t,), lambda i, c: (0,)),
-            pl.BlockSpec((t,), lambda i, c: (0,)),
+            whole_block((n, PAGE_SIZE, di)),
+            whole_block((r, p)),
+            whole_block((t,)),
+            whole_block((t,)),
         ],
         out_specs=pl.BlockSpec((None, hs, ppp), lambda i, c: (i, 0, c)),
         out_shape=jax.ShapeDtypeStruct((t, hs, num_chunks * ppp), jnp.float32),

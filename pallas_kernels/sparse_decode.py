@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._shapes import NUM_SMS_H200, next_pow2
+from pallas_kernels._shapes import NUM_SMS_H200, next_pow2, whole_block
 
 PAGE = 128  # tokens per KV page == MSA sparse block
 TOPK = 16  # selection slots per (token, KV head)
@@ -386,17 +386,16 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     kernel = functools.partial(_decode_kernel, num_splits=splits, keys_per_step=kps,
                                v_mask=v_mask, head_dim=d, num_pages=n, num_rows=r, num_cols=p,
                                scale_log2=float(scale) * LOG2E)
-    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     o, lse = pl.pallas_call(
         kernel,
         grid=(t, hkv, splits),
         in_specs=[
-            whole((t,)),                                                   # req_indices
-            whole((t,)),                                                   # kv_lens
-            whole(block_table.shape),                                      # block_table
+            whole_block((t,)),                                             # req_indices
+            whole_block((t,)),                                             # kv_lens
+            whole_block(block_table.shape),                                # block_table
             pl.BlockSpec((None, None, TOPK), lambda i, h, s: (i, h, 0)),   # selected
             pl.BlockSpec((None, None, m_rows, d), lambda i, h, s: (i, h, 0, 0)),  # q
-            whole(kv_cache.shape),                                         # kv_cache
+            whole_block(kv_cache.shape),                                   # kv_cache
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, m_rows, d), lambda i, h, s: (s, i, h, 0, 0)),

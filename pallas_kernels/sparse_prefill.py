@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._shapes import whole_block
 from pallas_kernels.sparse_decode import (
     LOG2E, MASK, PAGE, TOPK, _check_tunable, default_num_splits, default_num_stages, finalize,
     merge_splits, online_softmax_step, padded_group, sanitize_selection, sparse_decode_reference,
@@ -181,19 +182,18 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
     kernel = functools.partial(_prefill_kernel, num_splits=splits, head_dim=d, num_pages=n,
                                num_rows=r, num_cols=p, group_rows=gp,
                                scale_log2=float(scale) * LOG2E)
-    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     o, lse = pl.pallas_call(
         kernel,
         grid=(tiles, hkv, splits),
         in_specs=[
             pl.BlockSpec((tq,), lambda i, h, s: (i,)),                         # request rows
             pl.BlockSpec((tq,), lambda i, h, s: (i,)),                         # kv_lens
-            whole(count.shape),                                                # union counts
-            whole(block_table.shape),                                          # block_table
+            whole_block(count.shape),                                          # union counts
+            whole_block(block_table.shape),                                    # block_table
             pl.BlockSpec((tq, None, TOPK), lambda i, h, s: (i, h, 0)),         # selected
             pl.BlockSpec((None, None, tq * TOPK), lambda i, h, s: (i, h, 0)),  # union keys
             pl.BlockSpec((None, None, tq * gp, d), lambda i, h, s: (i, h, 0, 0)),  # q
-            whole(kv_cache.shape),                                             # kv_cache
+            whole_block(kv_cache.shape),                                       # kv_cache
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, tq * gp, d), lambda i, h, s: (s, i, h, 0, 0)),
