@@ -93,9 +93,10 @@ def _assert_same(single, dist, md, dtype):
     assert np.all(np.isneginf(np.asarray(l2)[~mask]))
 
 
-def _both_paths(rng, world_size, dtype, *, use_kernels, ties=False):
-    """Stages one random batch both ways and runs the single-device and DCP pipelines."""
-    sched, comp = _random_rows(rng)
+def _stage_both_ways(rng, sched, comp, world_size, dtype, ties=False):
+    """One batch staged for one device (global pages) and for W ranks (rank-local pages), both
+    validated, with random caches and queries. Returns ``(md1, mdw, mesh, (kv, ik, q, iq),
+    (kvs, iks))``: the global caches as numpy, the rank caches sharded over the mesh."""
     seq = sched + comp
     cfg1, cfgw = _config(1), _config(world_size)
     gbt = _global_table(rng, seq)
@@ -107,7 +108,15 @@ def _both_paths(rng, world_size, dtype, *, use_kernels, ties=False):
     validate_metadata(md1, cfg1)
     validate_metadata(mdw, cfgw)
     mesh = make_dcp_mesh(world_size)
-    kvs, iks = shard_to_mesh(jnp.asarray(kvs), mesh), shard_to_mesh(jnp.asarray(iks), mesh)
+    ranked = tuple(shard_to_mesh(jnp.asarray(x), mesh) for x in (kvs, iks))
+    return md1, mdw, mesh, (kv, ik, q, iq), ranked
+
+
+def _both_paths(rng, world_size, dtype, *, use_kernels, ties=False):
+    """Stages one random batch both ways and runs the single-device and DCP pipelines."""
+    sched, comp = _random_rows(rng)
+    md1, mdw, mesh, (kv, ik, q, iq), (kvs, iks) = _stage_both_ways(rng, sched, comp,
+                                                                   world_size, dtype, ties)
     if use_kernels:
         single = msa_attention(q, iq, kv, ik, md1, scale=SCALE, interpret=INTERPRET)
     else:
@@ -147,15 +156,9 @@ def test_init_blocks_forced_on_their_owners():
     world_size = 2
     rng = np.random.default_rng(21)
     sched, comp = np.array([1, 2]), np.array([3500, 2600])
-    seq = sched + comp
-    gbt = _global_table(rng, seq)
-    md1 = stage_batch(sched, comp, gbt, _config(1))
-    _, ik, _, iq = _inputs(rng, N_GLOBAL, md1.num_tokens_padded, jnp.float32)
-    (iks,), lbt = shard_paged_caches([ik], gbt, seq, world_size, num_local_pages=N_LOCAL)
-    mdw = stage_batch(sched, comp, lbt, _config(world_size))
-    mesh = make_dcp_mesh(world_size)
-    glob, _ = dcp_index_select(iq, shard_to_mesh(jnp.asarray(iks), mesh), mdw, mesh,
-                               use_kernels=False, init_blocks=3)
+    md1, mdw, mesh, (_, ik, _, iq), (_, iks) = _stage_both_ways(rng, sched, comp, world_size,
+                                                                jnp.float32)
+    glob, _ = dcp_index_select(iq, iks, mdw, mesh, use_kernels=False, init_blocks=3)
     scores = msa_index_scores_reference(jnp.asarray(iq), jnp.asarray(ik), md1.block_table,
                                         md1.req_indices, md1.positions)
     expected = sparse_topk_select_reference(scores, md1.num_valid_pages, init_blocks=3)
@@ -223,15 +226,9 @@ def test_dense_layers_match_single_device(world_size):
     """Dense causal attention (the dense layers) split over the ranks == one device."""
     rng = np.random.default_rng(50 + world_size)
     sched, comp = _random_rows(rng)
-    seq = sched + comp
-    gbt = _global_table(rng, seq)
-    md1 = stage_batch(sched, comp, gbt, _config(1))
-    kv, ik, q, _ = _inputs(rng, N_GLOBAL, md1.num_tokens_padded, jnp.float32)
-    (kvs,), lbt = shard_paged_caches([kv], gbt, seq, world_size, num_local_pages=N_LOCAL)
-    mdw = stage_batch(sched, comp, lbt, _config(world_size))
-    mesh = make_dcp_mesh(world_size)
-    out, lse = dcp_dense_attention(q, shard_to_mesh(jnp.asarray(kvs), mesh), mdw, mesh,
-                                   scale=SCALE)
+    md1, mdw, mesh, (kv, _, q, _), (kvs, _) = _stage_both_ways(rng, sched, comp, world_size,
+                                                               jnp.float32)
+    out, lse = dcp_dense_attention(q, kvs, mdw, mesh, scale=SCALE)
     ref_out, ref_lse = paged_causal_attention(jnp.asarray(q), jnp.asarray(kv), md1.block_table,
                                               md1.req_indices, md1.kv_lens, scale=SCALE)
     mask = np.asarray(md1.token_mask)
