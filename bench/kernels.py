@@ -10,9 +10,9 @@ tokens in 1/16/64/128, every request at context L in 8192/65536) it times, in on
 
 Timing. Both sides are timed with a 256 MiB L2 flush before every call (cold L2): JAX as
 wall(n x (flush; f)) - wall(n x flush) with async dispatch (the flush keeps the GPU busy, so
-host dispatch is hidden); vLLM with CUDA events around each call after the same kind of flush
-(a 256 MiB rewrite, `triton.testing.do_bench`'s convention; it leaves ~50 MiB of dirty L2
-lines whose write-back the timed kernel pays, on both sides). Each figure is the median of
+host dispatch is hidden); vLLM with `triton.testing.do_bench` (CUDA events around each call
+after the same kind of flush, a 256 MiB rewrite, median; the flush leaves dirty L2 lines whose
+write-back the timed kernel pays, on both sides). Each figure is the median of
 `--trials` trials, and the two sides are interleaved per shape.
 
 Usage (on the GPU machine): python3 bench/kernels.py --out DIR [--vllm-ops .vllm_ops]
@@ -142,24 +142,6 @@ def time_jax(fn, args, *, reps: int, trials: int) -> list[float]:
     return [max((run(with_fn) - run(flush_only)) / reps, 1e-9) for _ in range(trials)]
 
 
-def time_torch(fn, *, reps: int = 50) -> float:
-    """Seconds per call of a torch/Triton fn with a cold L2: CUDA events around fn after each
-    256 MiB ``zero_()`` flush (``triton.testing.do_bench``'s method), median of ``reps``."""
-    import torch
-
-    buf = torch.empty(_FLUSH_ELEMS, dtype=torch.float32, device="cuda")
-    fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]
-    for start, end in ev:
-        buf.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in ev) * 1e-3
-
-
 def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
     """Device-to-device copy bandwidth, bytes read + written per second (JAX, and torch)."""
     n = nbytes // 2
@@ -203,6 +185,7 @@ def load_vllm(ops_dir: str):
 def vllm_case(ops, shape: Shape, x: dict, selected: jax.Array, *, trials: int) -> dict:
     """vLLM's indexer on the inputs, and its decode on OUR selection (same inputs both sides)."""
     import torch
+    import triton.testing
 
     index_decode, attn_decode = ops
     t = {k: torch.from_dlpack(v) for k, v in x.items()}
@@ -221,8 +204,8 @@ def vllm_case(ops, shape: Shape, x: dict, selected: jax.Array, *, trials: int) -
 
     decode()
     torch.cuda.synchronize()
-    ti = [time_torch(indexer) for _ in range(trials)]
-    td = [time_torch(decode) for _ in range(trials)]
+    ti = [triton.testing.do_bench(indexer, return_mode="median") * 1e-3 for _ in range(trials)]
+    td = [triton.testing.do_bench(decode, return_mode="median") * 1e-3 for _ in range(trials)]
     return {"vllm_indexer_s": ti, "vllm_decode_s": td,
             "vllm_selected": np.asarray(vllm_sel.transpose(0, 1).cpu()),  # [B, Hkv, 16]
             "vllm_out": out.float().cpu().numpy()}
