@@ -37,14 +37,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_msa_runner.buckets import Bucket  # noqa: E402
-from jax_msa_runner.config import RunnerConfig  # noqa: E402
+from jax_msa_runner.config import FP8_INDEX_CACHE_DTYPE, RunnerConfig  # noqa: E402
 from jax_msa_runner.model import (ModelConfig, compute_logits, default_attention_impl,  # noqa: E402
                                   forward, init_caches, init_params)
 from jax_msa_runner.runner import pack_step_inputs, sample_tokens  # noqa: E402
 from jax_msa_runner.staging import pack_host_batch, packed_size, stage_packed  # noqa: E402
 
 
-INDEX_CACHE_DTYPES = ("bfloat16", "float8_e4m3fn")
+INDEX_CACHE_DTYPES = ("bfloat16", FP8_INDEX_CACHE_DTYPE)
 
 
 def bench_config(layers: int, index_cache_dtype: str = "bfloat16") -> ModelConfig:
