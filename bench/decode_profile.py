@@ -1,10 +1,8 @@
 """Where the sparse-decode time goes at 16/1 B=128 (H200): variants and ncu.
 
 Subcommands (run on the GPU machine, driven by `bench/decode_profile.sh`):
-  time   --out DIR [--set pipeline|eviction]  interleaved cold-L2 timings of decode variants
-                    (V masking, stages, warps, step size, splits; or the K/V loads' L2 eviction
-                    policy) at 16/1 B=128, 16/1 B=64 and 64/4 B=128. Writes
-                    DIR/decode_profile.json and prints a table with % of copy bandwidth.
+  time   --out DIR  interleaved cold-L2 timings of decode variants (V masking, stages, warps,
+                    step size, splits) at 16/1 B=128, 16/1 B=64 and 64/4 B=128. Writes DIR/decode_profile.json and prints a table with % of copy bandwidth.
   target            calls decode at 16/1 B=128 once per NCU_VARIANTS entry (for ncu) and prints
                     the kernels of the decode executable (optimised HLO).
 """
@@ -54,21 +52,6 @@ VARIANTS = {
                    ("load k64 s2", dict(L, keys_per_step=64, num_stages=2))],
 }
 NCU_VARIANTS = ("default", "load s4 w8", "load sp2 s2", "load k64 s7 w8")
-# Third session: K/V loads with the L2 policy evict_first ("F"), alone and with more programs
-# than SM slots (4-8 splits: the block scheduler balances the tail; the merge is XLA's).
-F = dict(kv_eviction="evict_first")
-EVICTION_VARIANTS = {
-    "16/1 B=128": [("default", {}), ("first", F), ("first load", dict(F, v_mask="load")),
-                   ("first s4", dict(F, num_stages=4)),
-                   ("first w8", dict(F, num_warps=8)),
-                   ("first sp4 s2", dict(F, num_splits=4, num_stages=2)),
-                   ("first sp8 s2", dict(F, num_splits=8, num_stages=2)),
-                   ("first sp8 k64 s3", dict(F, num_splits=8, keys_per_step=64, num_stages=3)),
-                   ("first sp16 s2", dict(F, num_splits=16, num_stages=2))],
-    "16/1 B=64": [("default", {}), ("first", F)],
-    "64/4 B=128": [("default", {}), ("first", F), ("first load", dict(F, v_mask="load"))],
-}
-VARIANT_SETS = {"pipeline": VARIANTS, "eviction": EVICTION_VARIANTS}
 
 
 def variant_fn(kw: dict):
@@ -80,12 +63,12 @@ def variant_fn(kw: dict):
 def cmd_time(args) -> None:
     copy = copy_bandwidth()
     result = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
-              "set": args.set, "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials, "rows": []}
+              "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials, "rows": []}
     print(f"copy bandwidth {copy['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
     for name, shape in SHAPES.items():
         x = make_inputs(shape, args.seed)
         sel = jax.block_until_ready(jax.jit(our_indexer)(x))
-        fns = [(label, kw, variant_fn(kw)) for label, kw in VARIANT_SETS[args.set][name]]
+        fns = [(label, kw, variant_fn(kw)) for label, kw in VARIANTS[name]]
         samples = {label: [] for label, _, _ in fns}
         for _ in range(args.trials):  # interleaved: one sample of every variant per round
             for label, _, fn in fns:
@@ -121,9 +104,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("cmd", choices=("time", "target"))
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
-    p.add_argument("--set", choices=tuple(VARIANT_SETS), default="pipeline",
-                   help="variant set to time: pipeline (stages, warps, splits; second session) "
-                        "or eviction (L2 policy of the K/V loads; third session)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)

@@ -42,9 +42,6 @@ SMEM_BYTES = 227 * 1024  # H200 shared memory per block (see pipeline_smem_bytes
 SMEM_SCRATCH = 16 * 1024  # layout conversions and reductions beside the K/V buffers
 KEYS_PER_STEP = (64, 128)  # keys of one decode loop step (one pipeline stage)
 V_MASKS = ("select", "load")  # how V's invalid rows become 0: select after the load, masked load
-# L2 eviction policy of the K/V page loads (pages are read once per call: "evict_first" lets
-# them replace each other instead of whatever else the L2 holds).
-KV_EVICTIONS = ("evict_normal", "evict_first")
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASK = -1e30  # finite mask value for scores (base-2 units)
@@ -108,7 +105,7 @@ def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
     stages = 3 if num_rows * splits <= NUM_SMS_H200 else 2
     stages = min(stages, max_stages(step_bytes(dtype, head_dim, PAGE)))
     return dict(num_splits=splits, num_warps=4, num_stages=stages, keys_per_step=PAGE,
-                v_mask="select", kv_eviction="evict_normal")
+                v_mask="select")
 
 
 def validate_inputs(q, kv_cache, selected, block_table, req_indices, kv_lens, *, name: str):
@@ -275,8 +272,8 @@ def compact_slots(ok):
 
 
 def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_ref, *,
-                   num_splits, keys_per_step, v_mask, kv_eviction, head_dim, num_pages,
-                   num_rows, num_cols, scale_log2):
+                   num_splits, keys_per_step, v_mask, head_dim, num_pages, num_rows, num_cols,
+                   scale_log2):
     """One (token, kv head, split): ``q_ref [M,D]``, ``sel_ref [16]``, whole ``kv_ref``,
     ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D]``, ``lse_ref [M]``."""
     t = pl.program_id(0)
@@ -314,13 +311,12 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
         blk = jnp.sum(jnp.where(pick, blk_vec, 0))
         hit = jnp.sum(pick.astype(jnp.int32)) > 0         # always true: no step past n_valid
         key_ok = hit & (blk * PAGE + start + keys < kv_len)          # [K]: all rows alike
-        k_at = kv_ref.at[page, h, pl.ds(start, keys_per_step), pl.ds(0, head_dim)]
+        k = kv_ref[page, h, pl.ds(start, keys_per_step), pl.ds(0, head_dim)]
         v_at = kv_ref.at[page, h, pl.ds(start, keys_per_step), pl.ds(head_dim, head_dim)]
-        k = plt.load(k_at, eviction_policy=kv_eviction)
         if v_mask == "load":  # invalid rows never loaded (zero-filled): V streams to the dot
-            v = plt.load(v_at, mask=key_ok[:, None], other=0, eviction_policy=kv_eviction)
+            v = plt.load(v_at, mask=key_ok[:, None], other=0)
         else:
-            v = plt.load(v_at, eviction_policy=kv_eviction)
+            v = v_at[...]
         return online_softmax_step(carry, q, k, v, key_ok[None, :], scale_log2,
                                    mask_v=v_mask == "select")
 
@@ -334,11 +330,10 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_warps",
-                                             "num_stages", "keys_per_step", "v_mask",
-                                             "kv_eviction"))
+                                             "num_stages", "keys_per_step", "v_mask"))
 def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                   interpret=False, num_splits=None, num_warps=None, num_stages=None,
-                  keys_per_step=None, v_mask=None, kv_eviction=None):
+                  keys_per_step=None, v_mask=None):
     """MSA sparse decode (spec section 4) with the kernel safety boundary.
 
     Args:
@@ -353,8 +348,7 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
         pipeline stage of ``keys_per_step * 2D`` elements) in {64, 128}; num_warps,
         num_stages: Triton launch tunables (``num_stages - 1`` stage buffers must fit 227 KiB);
         v_mask: ``"select"`` (load V, then zero invalid rows) or ``"load"`` (masked load that
-        zero-fills invalid rows); kv_eviction: L2 policy of the K/V loads, ``"evict_normal"`` or
-        ``"evict_first"``.
+        zero-fills invalid rows).
         Each ``None`` takes :func:`default_decode_config` (bf16 D=128, T*Hkv=128: 1 split,
         4 warps, 3 stages, 128 keys).
     Returns:
@@ -389,11 +383,8 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     out_dtype = q.dtype if splits == 1 else jnp.float32
     v_mask = cfg["v_mask"] if v_mask is None else v_mask
     _check_tunable("v_mask", "sparse_decode", v_mask, V_MASKS)
-    kv_eviction = cfg["kv_eviction"] if kv_eviction is None else kv_eviction
-    _check_tunable("kv_eviction", "sparse_decode", kv_eviction, KV_EVICTIONS)
     kernel = functools.partial(_decode_kernel, num_splits=splits, keys_per_step=kps,
-                               v_mask=v_mask, kv_eviction=kv_eviction, head_dim=d,
-                               num_pages=n, num_rows=r, num_cols=p,
+                               v_mask=v_mask, head_dim=d, num_pages=n, num_rows=r, num_cols=p,
                                scale_log2=float(scale) * LOG2E)
     o, lse = pl.pallas_call(
         kernel,

@@ -207,22 +207,21 @@ DECODE_REQS = (
 IDENTITY_ROWS = (0, 1, 2, 3, 4, 5, 8, 9, 10)  # tokens of requests with kv_len <= 2048, unedited
 
 
-@pytest.mark.parametrize("dtype,hkv,d,num_splits,keys_per_step,v_mask,kv_eviction", [
-    (jnp.float32, 1, 128, None, None, None, None),  # default split (8), whole pages
-    (jnp.bfloat16, 4, 64, None, None, None, None),  # default split (2); D = 64: a small cache
-    (jnp.bfloat16, 1, 128, 1, None, "select", None),  # single split: the kernel writes out
-    (jnp.bfloat16, 1, 128, 1, None, "load", "evict_first"),  # V's invalid rows never loaded
-    (jnp.bfloat16, 1, 128, 1, 64, None, "evict_normal"),  # half-page steps, single split
-    (jnp.float32, 1, 128, 4, 64, "load", "evict_first"),  # half pages, 4 splits, masked V
+@pytest.mark.parametrize("dtype,hkv,d,num_splits,keys_per_step,v_mask", [
+    (jnp.float32, 1, 128, None, None, None),  # default split (8 for this batch), whole pages
+    (jnp.bfloat16, 4, 64, None, None, None),  # default split (2); D = 64 keeps the cache small
+    (jnp.bfloat16, 1, 128, 1, None, "select"),  # single split: the kernel writes the output
+    (jnp.bfloat16, 1, 128, 1, None, "load"),  # same, V's invalid rows never loaded
+    (jnp.bfloat16, 1, 128, 1, 64, None),      # half-page steps, single split
+    (jnp.float32, 1, 128, 4, 64, "load"),     # half-page steps over 4 splits, masked V load
 ])
 def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits, keys_per_step,
-                                                   v_mask, kv_eviction):
+                                                   v_mask):
     batch = build_batch(0, DECODE_REQS, hq=16 * hkv, hkv=hkv, d=d, dtype=dtype)
     scale = d ** -0.5
     args = batch.args()
     out, lse = sparse_decode(*args, scale=scale, interpret=INTERPRET, num_splits=num_splits,
-                             keys_per_step=keys_per_step, v_mask=v_mask,
-                             kv_eviction=kv_eviction)
+                             keys_per_step=keys_per_step, v_mask=v_mask)
     assert_matches_reference_and_oracle(batch, out, lse, sparse_decode_reference, scale, dtype)
     t = batch.q.shape[0]
     atol, lse_atol = tolerances(dtype)
@@ -373,8 +372,7 @@ def test_compact_slots_is_a_stable_rank_of_valid_slots():
                                       (dict(num_stages=0), "num_stages"),
                                       (dict(keys_per_step=32), "keys_per_step"),
                                       (dict(num_stages=8, keys_per_step=64), "num_stages"),
-                                      (dict(v_mask="where"), "v_mask"),
-                                      (dict(kv_eviction="evict_last"), "kv_eviction")])
+                                      (dict(v_mask="where"), "v_mask")])
 def test_bad_tunables_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         sparse_decode(**_small_args(), scale=1.0, interpret=True, **kw)
