@@ -6,7 +6,10 @@ tokens in 1/16/64/128, every request at context L in 8192/65536) it times, in on
     `minimax_m3_index_decode`; bytes = the visible index-K rows, B*L*128*2;
   * sparse decode: ours `sparse_decode` vs vLLM's `minimax_m3_sparse_attn_decode` on the
     same selection; bytes = K and V of 16 pages per KV head, B*Hkv*16*128*256*2;
-  * the device-to-device copy bandwidth (the roofline), measured in the same process.
+  * the device-to-device copy bandwidth (the roofline), measured in the same process;
+  * per shape, the same copy kernel moving decode's bytes (half read, half written) under the
+    same cold-L2 timing: what a plain stream of that size costs here, flush write-back and
+    launch included (a reference beside the roofline, not a replacement for it).
 
 Timing. Both sides are timed with a 256 MiB L2 flush before every call (cold L2): JAX as
 wall(n x (flush; f)) - wall(n x flush) with async dispatch (the flush keeps the GPU busy, so
@@ -142,11 +145,21 @@ def time_jax(fn, args, *, reps: int, trials: int) -> list[float]:
     return [max((run(with_fn) - run(flush_only)) / reps, 1e-9) for _ in range(trials)]
 
 
+def scale_copy(a):
+    """The roofline's copy kernel: reads and writes ``a`` once."""
+    return a * jnp.asarray(1.0009765625, a.dtype)
+
+
+def same_traffic_copy_input(nbytes: int) -> jax.Array:
+    """A bf16 array whose :func:`scale_copy` moves ``nbytes`` (half read, half written)."""
+    return jnp.ones((nbytes // 4,), jnp.bfloat16)
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
     """Device-to-device copy bandwidth, bytes read + written per second (JAX, and torch)."""
     n = nbytes // 2
     x = jnp.ones((n,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * jnp.bfloat16(1.0009765625))
+    copy = jax.jit(scale_copy)
     jax.block_until_ready(copy(x))
     ts = []
     for _ in range(20):
@@ -160,7 +173,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
 
         src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
         dst = torch.empty_like(src)
-        t = triton.testing.do_bench(lambda: dst.copy_(src), rep=200) * 1e-3
+        t = triton.testing.do_bench(lambda d=dst, s=src: d.copy_(s), rep=200) * 1e-3
         res["torch_copy_Bps"] = 2 * nbytes / t
         del src, dst
     except Exception as e:  # torch is optional for the roofline
@@ -235,11 +248,14 @@ def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int) -> dict
     out, _ = jax.block_until_ready(decode(x, selected))
     row = dataclasses.asdict(shape) | {"indexer_bytes": shape.indexer_bytes,
                                        "decode_bytes": shape.decode_bytes}
-    samples = {k: [] for k in ("ours_indexer_s", "ours_decode_s", "vllm_indexer_s",
-                               "vllm_decode_s")}
+    copy_in = same_traffic_copy_input(shape.decode_bytes)
+    samples = {k: [] for k in ("ours_indexer_s", "ours_decode_s", "copy_decode_bytes_s",
+                               "vllm_indexer_s", "vllm_decode_s")}
     for _ in range(2):
         samples["ours_indexer_s"] += time_jax(indexer, (x,), reps=reps, trials=trials)
         samples["ours_decode_s"] += time_jax(decode, (x, selected), reps=reps, trials=trials)
+        samples["copy_decode_bytes_s"] += time_jax(jax.jit(scale_copy), (copy_in,), reps=reps,
+                                                   trials=trials)
         if ops is None or "vllm_err" in row:
             continue
         try:
@@ -255,7 +271,7 @@ def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int) -> dict
         if v:
             row[k] = statistics.median(v)
             row[k[:-2] + "_samples_us"] = [round(s * 1e6, 2) for s in v]
-    del x
+    del x, copy_in
     return row
 
 
@@ -300,8 +316,9 @@ def markdown(result: dict) -> str:
     lines = [f"Device: {result['device']}; date {result['date']}; copy bandwidth "
              f"{bw / 1e12:.2f} TB/s (read + write), measured in the same run.", "",
              "| Hq/Hkv | B | L | ours idx+sel us | vLLM idx us | speedup | idx % copy BW "
-             "| ours decode us | vLLM decode us | speedup | decode % copy BW | sel agree | rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| ours decode us | vLLM decode us | speedup | decode % copy BW "
+             "| same-bytes copy us | sel agree | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         oi, od = r["ours_indexer_s"], r["ours_decode_s"]
         vi, vd = r.get("vllm_indexer_s"), r.get("vllm_decode_s")
@@ -311,7 +328,7 @@ def markdown(result: dict) -> str:
             f"| {r['hq']}/{r['hkv']} | {r['batch']} | {r['context']} | {us(oi)} | {us(vi)} | "
             f"{sp(vi, oi)} | {100 * r['indexer_bytes'] / oi / bw:.0f}% | {us(od)} | {us(vd)} | "
             f"{sp(vd, od)} | {100 * r['decode_bytes'] / od / bw:.0f}% | "
-            f"{r.get('selection_agree', 'n/a')} | {r.get('decode_rel_err_vs_vllm', float('nan')):.1e} |")
+            f"{us(r.get('copy_decode_bytes_s'))} | {r.get('selection_agree', 'n/a')} | {r.get('decode_rel_err_vs_vllm', float('nan')):.1e} |")
     dec = [r["vllm_decode_s"] / r["ours_decode_s"] for r in result["rows"] if r.get("vllm_decode_s")]
     idx = [r["vllm_indexer_s"] / r["ours_indexer_s"] for r in result["rows"] if r.get("vllm_indexer_s")]
     if dec:
