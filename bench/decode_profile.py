@@ -1,8 +1,10 @@
 """Where the sparse-decode time goes at 16/1 B=128 (H200): variants and ncu.
 
 Subcommands (run on the GPU machine, driven by `bench/decode_profile.sh`):
-  time   --out DIR  interleaved cold-L2 timings of decode variants (V masking, stages, warps,
-                    step size, splits) at 16/1 B=128, 16/1 B=64 and 64/4 B=128. Writes DIR/decode_profile.json and prints a table with % of copy bandwidth.
+  time   --out DIR [--set pipeline|warps]  interleaved cold-L2 timings of decode variants
+                    (V masking, stages, warps, step size, splits) at 16/1 B=128, 16/1 B=64 and
+                    64/4 B=128. Writes DIR/decode_profile.json and prints a table with % of
+                    copy bandwidth.
   target            calls decode at 16/1 B=128 once per NCU_VARIANTS entry (for ncu) and prints
                     the kernels of the decode executable (optimised HLO).
 """
@@ -52,6 +54,19 @@ VARIANTS = {
                    ("load k64 s2", dict(L, keys_per_step=64, num_stages=2))],
 }
 NCU_VARIANTS = ("default", "load s4 w8", "load sp2 s2", "load k64 s7 w8")
+# Third session: fewer warps per program (fewer warps in each step's cross-warp reductions and
+# layout conversions; 16/1 B=64 streams only ~39 GB/s per SM against ~60 GB/s for a copy).
+WARPS_VARIANTS = {
+    "16/1 B=128": [("default", {}), ("w2", dict(num_warps=2)), ("w1", dict(num_warps=1)),
+                   ("w2 load", dict(num_warps=2, v_mask="load")),
+                   ("w2 s4", dict(num_warps=2, num_stages=4)),
+                   ("w2 k64 s4", dict(num_warps=2, keys_per_step=64, num_stages=4)),
+                   ("w2 k64 s6", dict(num_warps=2, keys_per_step=64, num_stages=6))],
+    "16/1 B=64": [("default", {}), ("w2", dict(num_warps=2)), ("w1", dict(num_warps=1)),
+                  ("w2 s4", dict(num_warps=2, num_stages=4))],
+    "64/4 B=128": [("default", {}), ("w2", dict(num_warps=2))],
+}
+VARIANT_SETS = {"pipeline": VARIANTS, "warps": WARPS_VARIANTS}
 
 
 def variant_fn(kw: dict):
@@ -63,12 +78,12 @@ def variant_fn(kw: dict):
 def cmd_time(args) -> None:
     copy = copy_bandwidth()
     result = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
-              "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials, "rows": []}
+              "set": args.set, "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials, "rows": []}
     print(f"copy bandwidth {copy['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
     for name, shape in SHAPES.items():
         x = make_inputs(shape, args.seed)
         sel = jax.block_until_ready(jax.jit(our_indexer)(x))
-        fns = [(label, kw, variant_fn(kw)) for label, kw in VARIANTS[name]]
+        fns = [(label, kw, variant_fn(kw)) for label, kw in VARIANT_SETS[args.set][name]]
         samples = {label: [] for label, _, _ in fns}
         for _ in range(args.trials):  # interleaved: one sample of every variant per round
             for label, _, fn in fns:
@@ -104,6 +119,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("cmd", choices=("time", "target"))
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    p.add_argument("--set", choices=tuple(VARIANT_SETS), default="pipeline",
+                   help="variants to time: pipeline (stages, warps, splits, V masking; second "
+                        "session) or warps (fewer warps per program; third session)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
