@@ -54,21 +54,6 @@ def padded_group(num_q_heads: int, num_kv_heads: int) -> int:
     return max(MIN_DOT, next_pow2(num_q_heads // num_kv_heads))
 
 
-def default_num_splits(num_programs: int) -> int:
-    """Split-K factor (power of two <= 16) so that ``num_programs * splits`` fills the SMs."""
-    splits = 1
-    while splits < TOPK and num_programs * splits < NUM_SMS_H200:
-        splits *= 2
-    return splits
-
-
-def default_num_stages(dtype, head_dim: int) -> int:
-    """Pipeline depth whose K+V page buffers (``stages * 128 * 2D * itemsize``) stay within
-    ~160 KiB of the H200's 227 KiB shared memory: bf16 D=128 -> 2, f32 D=128 -> 1, at most 3."""
-    page_bytes = PAGE * 2 * head_dim * jnp.dtype(dtype).itemsize
-    return max(1, min(3, (160 * 1024) // page_bytes))
-
-
 def step_bytes(dtype, head_dim: int, keys_per_step: int = PAGE) -> int:
     """Shared-memory bytes of one pipeline stage: K and V, ``[keys_per_step, D]`` each."""
     return keys_per_step * 2 * head_dim * jnp.dtype(dtype).itemsize
@@ -417,5 +402,5 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
 
 __all__ = ["sparse_decode", "sparse_decode_reference", "sanitize_selection", "merge_splits",
            "online_softmax_step", "finalize", "validate_inputs", "padded_group",
-           "default_num_splits", "default_num_stages", "default_decode_config", "step_bytes",
+           "default_decode_config", "step_bytes",
            "compact_slots", "pipeline_smem_bytes", "max_stages", "PAGE", "TOPK", "KEYS_PER_STEP"]

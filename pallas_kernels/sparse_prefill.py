@@ -24,14 +24,31 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._shapes import whole_block
+from pallas_kernels._shapes import NUM_SMS_H200, whole_block
 from pallas_kernels.sparse_decode import (
-    LOG2E, MASK, PAGE, TOPK, _check_tunable, default_num_splits, default_num_stages, finalize,
-    merge_splits, online_softmax_step, padded_group, sanitize_selection, sparse_decode_reference,
-    validate_inputs)
+    LOG2E, MASK, PAGE, SMEM_BYTES, TOPK, _check_tunable, finalize, merge_splits,
+    online_softmax_step, padded_group, pipeline_smem_bytes, sanitize_selection, step_bytes,
+    sparse_decode_reference, validate_inputs)
 
 MAX_TILE_ROWS = 256  # tokens_per_tile * padded group: accumulator rows of one program
 _NO_KEY = jnp.iinfo(jnp.int32).max
+
+
+def default_num_splits(num_programs: int) -> int:
+    """Split factor (power of two <= 16) so that ``num_programs * splits`` fills the SMs."""
+    splits = 1
+    while splits < TOPK and num_programs * splits < NUM_SMS_H200:
+        splits *= 2
+    return splits
+
+
+def default_num_stages(dtype, head_dim: int) -> int:
+    """Pipeline depth whose K+V page buffers (``stages * 128 * 2D * itemsize``) stay within
+    ~160 KiB of the H200's 227 KiB shared memory: bf16 D=128 -> 2, f32 D=128 -> 1, at most 3.
+    (Counted as ``stages`` buffers, more conservative than Triton's ``stages - 1``: a prefill
+    program's larger dots need more scratch beside them; this default was not re-measured.)"""
+    page_bytes = PAGE * 2 * head_dim * jnp.dtype(dtype).itemsize
+    return max(1, min(3, (160 * 1024) // page_bytes))
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -143,7 +160,8 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
       tokens_per_tile: consecutive tokens per program (power of two; rows = TQ * padded group
         <= 256). num_splits: split of a tile's page union in {1, 2, 4, 8, 16}; default fills
         132 SMs. num_warps (default 4 up to 64 rows, else 8), num_stages (default
-        :func:`~pallas_kernels.sparse_decode.default_num_stages`): Triton tunables.
+        :func:`default_num_stages`; ``num_stages - 1`` page buffers must fit 227 KiB): Triton
+        tunables.
     Returns:
       ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``; rows without a visible key give 0 / -inf.
     """
@@ -164,6 +182,10 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
     num_stages = default_num_stages(q.dtype, d) if num_stages is None else num_stages
     _check_tunable("num_warps", "sparse_prefill", num_warps, (1, 2, 4, 8, 16))
     _check_tunable("num_stages", "sparse_prefill", num_stages, (1, 2, 3, 4, 5, 6))
+    if pipeline_smem_bytes(num_stages, step_bytes(q.dtype, d)) > SMEM_BYTES:
+        raise ValueError(f"sparse_prefill: num_stages {num_stages} buffers {num_stages - 1} x "
+                         f"{step_bytes(q.dtype, d)} bytes of K+V pages + scratch: more than "
+                         f"{SMEM_BYTES} bytes of shared memory")
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
 
@@ -215,4 +237,5 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
     return out, lse[:t, :, :g].reshape(t, hq)
 
 
-__all__ = ["sparse_prefill", "sparse_prefill_reference", "tile_page_union"]
+__all__ = ["sparse_prefill", "sparse_prefill_reference", "tile_page_union", "default_num_splits",
+           "default_num_stages"]

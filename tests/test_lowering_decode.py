@@ -8,9 +8,9 @@ import pytest
 
 from pallas_kernels._lowering import lower_for_cuda, triton_calls
 from pallas_kernels.sparse_decode import (PAGE, SMEM_BYTES, TOPK, default_decode_config,
-                                          max_stages, pipeline_smem_bytes,
-                                          default_num_stages, sparse_decode, step_bytes)
-from pallas_kernels.sparse_prefill import sparse_prefill
+                                          max_stages, pipeline_smem_bytes, sparse_decode,
+                                          step_bytes)
+from pallas_kernels.sparse_prefill import default_num_stages, sparse_prefill
 
 D = 128
 
@@ -94,3 +94,13 @@ def test_sparse_prefill_lowers_for_h200(hq, hkv, tokens_per_tile, num_warps):
     assert [c["name"] for c in calls] == ["msa_sparse_prefill"]
     assert (calls[0]["grid_x"], calls[0]["grid_y"]) == (256 // tokens_per_tile, hkv)
     assert calls[0]["num_warps"] == num_warps
+
+
+def test_sparse_prefill_stages_bounded_by_shared_memory():
+    """bf16 D=128 pages are 64 KiB: 4 stages (3 buffers) fit 227 KiB, 5 do not."""
+    assert default_num_stages(jnp.bfloat16, D) == 2
+    [call] = triton_calls(lower_for_cuda(sparse_prefill, *_specs(256, 16, 1), scale=1.0,
+                                         num_stages=4))
+    assert call["num_stages"] == 4
+    with pytest.raises(ValueError, match="sparse_prefill: num_stages 5 .*shared memory"):
+        lower_for_cuda(sparse_prefill, *_specs(256, 16, 1), scale=1.0, num_stages=5)
