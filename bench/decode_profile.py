@@ -1,7 +1,7 @@
 """Where the sparse-decode time goes at 16/1 B=128 (H200): variants and ncu.
 
 Subcommands (run on the GPU machine, driven by `bench/decode_profile.sh`):
-  time   --out DIR [--set pipeline|warps]  interleaved cold-L2 timings of decode variants
+  time   --out DIR [--set pipeline|warps|vmask]  interleaved cold-L2 timings of decode variants
                     (V masking, stages, warps, step size, splits) at 16/1 B=128, 16/1 B=64 and
                     64/4 B=128. Writes DIR/decode_profile.json and prints a table with % of
                     copy bandwidth.
@@ -28,7 +28,8 @@ from bench.kernels import (HEAD_DIM, Shape, copy_bandwidth, make_inputs,  # noqa
 from pallas_kernels.sparse_decode import sparse_decode  # noqa: E402
 
 SHAPES = {"16/1 B=128": Shape(16, 1, 128, 65536), "16/1 B=64": Shape(16, 1, 64, 65536),
-          "64/4 B=128": Shape(64, 4, 128, 65536)}
+          "64/4 B=128": Shape(64, 4, 128, 65536), "16/1 B=16": Shape(16, 1, 16, 65536),
+          "64/4 B=16": Shape(64, 4, 16, 65536), "64/4 B=64": Shape(64, 4, 64, 65536)}
 # (label, sparse_decode keyword overrides); {} = the defaults. "sN" = num_stages (N - 1 K+V
 # buffers in flight), "wN" = num_warps, "k64" = half-page steps, "sp2" = two splits.
 L = dict(v_mask="load")
@@ -66,7 +67,13 @@ WARPS_VARIANTS = {
                   ("w2 s4", dict(num_warps=2, num_stages=4))],
     "64/4 B=128": [("default", {}), ("w2", dict(num_warps=2))],
 }
-VARIANT_SETS = {"pipeline": VARIANTS, "warps": WARPS_VARIANTS}
+# Third session: V's invalid rows zero-filled by a masked load instead of a select after it.
+# ncu at 16/1 B=128: the select path (LDS, SEL, PRMT, STSM) is 262 of the 836 instructions a
+# warp issues per page; the masked load needs none of them.
+VMASK_VARIANTS = {name: [("default", {}), ("load", dict(v_mask="load"))]
+                  for name in ("16/1 B=16", "16/1 B=64", "16/1 B=128", "64/4 B=16", "64/4 B=64",
+                               "64/4 B=128")}
+VARIANT_SETS = {"pipeline": VARIANTS, "warps": WARPS_VARIANTS, "vmask": VMASK_VARIANTS}
 
 
 def variant_fn(kw: dict):
@@ -80,10 +87,11 @@ def cmd_time(args) -> None:
     result = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
               "set": args.set, "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials, "rows": []}
     print(f"copy bandwidth {copy['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
-    for name, shape in SHAPES.items():
+    for name, variants in VARIANT_SETS[args.set].items():
+        shape = SHAPES[name]
         x = make_inputs(shape, args.seed)
         sel = jax.block_until_ready(jax.jit(our_indexer)(x))
-        fns = [(label, kw, variant_fn(kw)) for label, kw in VARIANT_SETS[args.set][name]]
+        fns = [(label, kw, variant_fn(kw)) for label, kw in variants]
         samples = {label: [] for label, _, _ in fns}
         for _ in range(args.trials):  # interleaved: one sample of every variant per round
             for label, _, fn in fns:
@@ -121,7 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     p.add_argument("--set", choices=tuple(VARIANT_SETS), default="pipeline",
                    help="variants to time: pipeline (stages, warps, splits, V masking; second "
-                        "session) or warps (fewer warps per program; third session)")
+                        "session), warps (fewer warps per program) or vmask (select vs masked "
+                        "V load at six shapes; third session)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
