@@ -1,7 +1,7 @@
 """Where the sparse-decode time goes at 16/1 B=128 (H200): variants and ncu.
 
 Subcommands (run on the GPU machine, driven by `bench/decode_profile.sh`):
-  time   --out DIR [--set pipeline|warps|vmask|twopage]  interleaved cold-L2 timings of decode variants
+  time   --out DIR [--set pipeline|warps|vmask]  interleaved cold-L2 timings of decode variants
                     (V masking, stages, warps, step size, splits) at 16/1 B=128, 16/1 B=64 and
                     64/4 B=128. Writes DIR/decode_profile.json and prints a table with % of
                     copy bandwidth.
@@ -73,14 +73,7 @@ WARPS_VARIANTS = {
 VMASK_VARIANTS = {name: [("default", {}), ("load", dict(v_mask="load"))]
                   for name in ("16/1 B=16", "16/1 B=64", "16/1 B=128", "64/4 B=16", "64/4 B=64",
                                "64/4 B=128")}
-# Third session: two pages per loop step (keys_per_step=256: independent dots of two pages, one
-# softmax rescale; one 128 KiB stage in flight at num_stages=2).
-TWO_PAGE_VARIANTS = {name: [("default", {}), ("k256 s2", dict(keys_per_step=256, num_stages=2)),
-                            ("k256 s2 w8", dict(keys_per_step=256, num_stages=2, num_warps=8))]
-                     for name in ("16/1 B=16", "16/1 B=64", "16/1 B=128", "64/4 B=16",
-                                  "64/4 B=64", "64/4 B=128")}
-VARIANT_SETS = {"pipeline": VARIANTS, "warps": WARPS_VARIANTS, "vmask": VMASK_VARIANTS,
-                "twopage": TWO_PAGE_VARIANTS}
+VARIANT_SETS = {"pipeline": VARIANTS, "warps": WARPS_VARIANTS, "vmask": VMASK_VARIANTS}
 
 
 def variant_fn(kw: dict):
@@ -136,9 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     p.add_argument("--set", choices=tuple(VARIANT_SETS), default="pipeline",
                    help="variants to time: pipeline (stages, warps, splits, V masking; second "
-                        "session), warps (fewer warps per program), vmask (select vs masked "
-                        "V load at six shapes) or twopage (two pages per loop step; third "
-                        "session)")
+                        "session), warps (fewer warps per program) or vmask (select vs masked "
+                        "V load at six shapes; third session)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)

@@ -7,9 +7,9 @@ page ids from the block table and compacts the valid slots to the front (stable 
 rank compare in registers), so the loop has no dependent scalar loads, Triton can pipeline the
 page loads, and invalid slots (``-1``, out-of-range ids, slots ``>= n_use``) load nothing. The
 ``n_valid`` compacted slots are cut into ``num_splits`` contiguous chunks of
-``ceil(n_valid / num_splits)``; a loop step loads ``keys_per_step`` keys (a whole page, a
-half page: a smaller pipeline stage, or two pages: independent dots, one softmax rescale) of K
-and V and updates an online softmax (base 2, finite mask value). Splits are merged by log-sum-exp in jnp; with one
+``ceil(n_valid / num_splits)``; a loop step loads ``keys_per_step`` keys (a whole page, or a
+half page: a smaller pipeline stage) of K and V (``[keys_per_step, D]`` each) and updates an
+online softmax (base 2, finite mask value). Splits are merged by log-sum-exp in jnp; with one
 split the kernel writes the final output.
 
 Safety boundary (in the kernel and in the reference): for a consumed slot, a block id that is
@@ -40,7 +40,7 @@ FILL_PROGRAMS = 256  # below ONE_SPLIT_ROWS: smallest splits with T * Hkv * spli
 ONE_SPLIT_ROWS = 64  # T * Hkv at and above which one split (no merge) is the default
 SMEM_BYTES = 227 * 1024  # H200 shared memory per block (see pipeline_smem_bytes)
 SMEM_SCRATCH = 16 * 1024  # layout conversions and reductions beside the K/V buffers
-KEYS_PER_STEP = (64, 128, 256)  # keys of one decode loop step (one pipeline stage); 256 = 2 pages
+KEYS_PER_STEP = (64, 128)  # keys of one decode loop step (one pipeline stage)
 V_MASKS = ("select", "load")  # how V's invalid rows become 0: select after the load, masked load
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -198,33 +198,21 @@ def online_softmax_step(carry, q, k, v, key_ok, scale_log2, row_weight=None, mas
     (optional) multiplies the row's probabilities (a page selected twice counts twice);
     ``mask_v=False`` when the caller already zeroed V's invalid rows (a masked load).
     """
-    return online_softmax_pages(carry, q, ((k, v, key_ok),), scale_log2, row_weight, mask_v)
-
-
-def online_softmax_pages(carry, q, pages, scale_log2, row_weight=None, mask_v=True):
-    """:func:`online_softmax_step` over several pages at once: ``pages`` is a tuple of
-    ``(k, v, key_ok)``; one max/rescale for all of them, their dots independent of each other."""
     acc, m, l = carry
-    scores = []
-    for k, _, key_ok in pages:
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale_log2
-        scores.append(jnp.where(key_ok, s, MASK))
-    m_new = m
-    for s in scores:
-        m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale_log2
+    s = jnp.where(key_ok, s, MASK)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp2(m - m_new)
-    l_new = alpha * l
-    acc_new = alpha[:, None] * acc
-    for s, (_, v, key_ok) in zip(scores, pages):
-        p = jnp.exp2(s - m_new[:, None])
-        if row_weight is not None:
-            p = p * row_weight[:, None]
-        p = jnp.where(key_ok, p, 0.0)
-        l_new = l_new + jnp.sum(p, axis=1)
-        if mask_v:
-            v_ok = jnp.max(key_ok.astype(jnp.int32), axis=0) > 0             # [K]
-            v = jnp.where(v_ok[:, None], v, jnp.zeros_like(v))
-        acc_new = acc_new + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    p = jnp.exp2(s - m_new[:, None])
+    if row_weight is not None:
+        p = p * row_weight[:, None]
+    p = jnp.where(key_ok, p, 0.0)
+    l_new = alpha * l + jnp.sum(p, axis=1)
+    if mask_v:
+        v_ok = jnp.max(key_ok.astype(jnp.int32), axis=0) > 0             # [K]
+        v = jnp.where(v_ok[:, None], v, jnp.zeros_like(v))
+    acc_new = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v,
+                                             preferred_element_type=jnp.float32)
     return acc_new, m_new, l_new
 
 
@@ -294,45 +282,33 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
     chunk = (n_valid + num_splits - 1) // num_splits
     first = split * chunk
     n_slots = jnp.clip(n_valid - first, 0, chunk)
-    pages_per_step = max(1, keys_per_step // PAGE)
-    steps_per_slot = max(1, PAGE // keys_per_step)
-    step_keys = min(keys_per_step, PAGE)                  # keys of one page per step
-    masked_v = v_mask == "load" or pages_per_step > 1
-    keys = jnp.arange(step_keys, dtype=jnp.int32)
+    steps_per_slot = PAGE // keys_per_step
+    keys = jnp.arange(keys_per_step, dtype=jnp.int32)
 
-    def load_page(j, start):
-        """K, V and key mask of the ``j``-th slot of this split (keys ``start + [0, K)``);
-        a ``j`` past the split's slots loads a valid or the null page and masks all of it."""
+    def body(i, carry):
+        if steps_per_slot == 1:
+            j, start = i, 0
+        else:
+            j = jax.lax.div(i, steps_per_slot)
+            start = (i - j * steps_per_slot) * keys_per_step
         pick = pos_vec == first + j                       # register "indexing": one-hot sum
         page = jnp.sum(jnp.where(pick, page_vec, 0))
         blk = jnp.sum(jnp.where(pick, blk_vec, 0))
-        live = (j < n_slots) & (jnp.sum(pick.astype(jnp.int32)) > 0)
-        key_ok = live & (blk * PAGE + start + keys < kv_len)          # [K]: all rows alike
-        k_at = kv_ref.at[page, h, pl.ds(start, step_keys), pl.ds(0, head_dim)]
-        v_at = kv_ref.at[page, h, pl.ds(start, step_keys), pl.ds(head_dim, head_dim)]
-        # two pages a step: a step past the last slot loads nothing (masked K and V loads)
-        k = plt.load(k_at, mask=key_ok[:, None], other=0) if pages_per_step > 1 else k_at[...]
-        if masked_v:  # invalid rows never loaded (zero-filled): V streams to the dot
+        hit = jnp.sum(pick.astype(jnp.int32)) > 0         # always true: no step past n_valid
+        key_ok = hit & (blk * PAGE + start + keys < kv_len)          # [K]: all rows alike
+        k = kv_ref[page, h, pl.ds(start, keys_per_step), pl.ds(0, head_dim)]
+        v_at = kv_ref.at[page, h, pl.ds(start, keys_per_step), pl.ds(head_dim, head_dim)]
+        if v_mask == "load":  # invalid rows never loaded (zero-filled): V streams to the dot
             v = plt.load(v_at, mask=key_ok[:, None], other=0)
         else:
             v = v_at[...]
-        return k, v, key_ok[None, :]
+        return online_softmax_step(carry, q, k, v, key_ok[None, :], scale_log2,
+                                   mask_v=v_mask == "select")
 
-    def body(i, carry):
-        if pages_per_step > 1:
-            pages = tuple(load_page(i * pages_per_step + u, 0) for u in range(pages_per_step))
-        elif steps_per_slot == 1:
-            pages = (load_page(i, 0),)
-        else:
-            j = jax.lax.div(i, steps_per_slot)
-            pages = (load_page(j, (i - j * steps_per_slot) * step_keys),)
-        return online_softmax_pages(carry, q, pages, scale_log2, mask_v=not masked_v)
-
-    n_steps = (n_slots * steps_per_slot + pages_per_step - 1) // pages_per_step
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(0, n_steps, body, init)
+    acc, m, l = jax.lax.fori_loop(0, n_slots * steps_per_slot, body, init)
     out, lse = finalize(acc, m, l)
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
@@ -354,8 +330,7 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
       kv_lens: ``[T]`` int32 visible keys per token (0 = padded row).
       scale: softmax scale (static). interpret: Pallas interpret mode (CPU).
       num_splits: split-K factor in {1, 2, 4, 8, 16}; keys_per_step: keys per loop step (one
-        pipeline stage of ``keys_per_step * 2D`` elements) in {64, 128, 256} (256: two pages,
-        masked K and V loads); num_warps,
+        pipeline stage of ``keys_per_step * 2D`` elements) in {64, 128}; num_warps,
         num_stages: Triton launch tunables (``num_stages - 1`` stage buffers must fit 227 KiB);
         v_mask: ``"select"`` (load V, then zero invalid rows) or ``"load"`` (masked load that
         zero-fills invalid rows).
@@ -426,6 +401,6 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
 
 
 __all__ = ["sparse_decode", "sparse_decode_reference", "sanitize_selection", "merge_splits",
-           "online_softmax_step", "online_softmax_pages", "finalize", "validate_inputs", "padded_group",
+           "online_softmax_step", "finalize", "validate_inputs", "padded_group",
            "default_decode_config", "step_bytes",
            "compact_slots", "pipeline_smem_bytes", "max_stages", "PAGE", "TOPK", "KEYS_PER_STEP"]

@@ -48,8 +48,6 @@ def test_sparse_decode_lowers_for_h200_with_defaults(hq, hkv, batch, want):
     (64, 4, 64, dict(keys_per_step=128, num_splits=2, num_stages=3, num_warps=8)),
     (16, 1, 128, dict(keys_per_step=128, num_splits=1, num_stages=3, v_mask="load")),
     (64, 4, 128, dict(keys_per_step=64, num_splits=2, num_stages=4, v_mask="load")),
-    (16, 1, 128, dict(keys_per_step=256, num_splits=1, num_stages=2)),
-    (16, 1, 64, dict(keys_per_step=256, num_splits=2, num_stages=2, num_warps=8)),
 ])
 def test_sparse_decode_tunables_lower_at_benchmark_shapes(hq, hkv, batch, kw):
     text = lower_for_cuda(sparse_decode, *_specs(batch, hq, hkv), scale=D ** -0.5, **kw)

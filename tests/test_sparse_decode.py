@@ -214,8 +214,6 @@ IDENTITY_ROWS = (0, 1, 2, 3, 4, 5, 8, 9, 10)  # tokens of requests with kv_len <
     (jnp.bfloat16, 1, 128, 1, None, "load"),  # same, V's invalid rows never loaded
     (jnp.bfloat16, 1, 128, 1, 64, None),      # half-page steps, single split
     (jnp.float32, 1, 128, 4, 64, "load"),     # half-page steps over 4 splits, masked V load
-    (jnp.bfloat16, 1, 128, 1, 256, None),     # two pages a step (odd counts: a dead 2nd page)
-    (jnp.float32, 4, 64, 2, 256, "select"),   # two pages a step over 2 splits
 ])
 def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits, keys_per_step,
                                                    v_mask):
@@ -243,12 +241,10 @@ def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits, ke
     chex.assert_trees_all_close(lse[rows], d_lse, atol=lse_atol, rtol=lse_atol)
 
 
-@pytest.mark.parametrize("keys_per_step,num_splits,v_mask,dtype",
-                         [(None, None, None, jnp.float32), (64, 1, "select", jnp.float32),
-                          (64, 4, "load", jnp.float32), (256, 1, "select", jnp.bfloat16),
-                          (256, 4, "load", jnp.bfloat16)])
+@pytest.mark.parametrize("keys_per_step,num_splits,v_mask",
+                         [(None, None, None), (64, 1, "select"), (64, 4, "load")])
 def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_step, num_splits,
-                                                                      v_mask, dtype):
+                                                                      v_mask):
     """The original bug: -1 (and out-of-range ids) inside the consumed range. Each edited
     token is paired with a clean twin (same q, pages and kv_len) whose selection is just the
     kept ids followed by -1: equal outputs, finite, equal to the oracle over the kept set.
@@ -260,7 +256,7 @@ def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_st
             Req(2600), Req(2600, edit="short"), Req(5000), Req(5000, edit="dcp"),
             Req(1000), Req(1000, edit="dcp"))
     pairs = [(i, i + 1) for i in range(0, len(reqs), 2)]
-    batch = build_batch(1, reqs, hq=16, hkv=1, pad_tokens=0, dtype=dtype)
+    batch = build_batch(1, reqs, hq=16, hkv=1, pad_tokens=0)
     for clean, bad in pairs:
         kept = batch.kept[bad][0]
         n_use = min(TOPK, -(-int(batch.kv_lens[bad]) // PAGE))
@@ -275,7 +271,7 @@ def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_st
                              keys_per_step=keys_per_step, num_splits=num_splits, v_mask=v_mask)
     chex.assert_tree_all_finite(out)
     chex.assert_tree_all_finite(lse)
-    atol, lse_atol = tolerances(dtype)
+    atol, lse_atol = tolerances(jnp.float32)
     for clean, bad in pairs:
         chex.assert_trees_all_close(out[bad], out[clean], atol=atol, rtol=atol)
         chex.assert_trees_all_close(lse[bad], lse[clean], atol=lse_atol, rtol=lse_atol)
@@ -283,8 +279,7 @@ def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_st
     np.testing.assert_allclose(np.asarray(out, np.float64), o_out, atol=atol, rtol=atol)
     np.testing.assert_allclose(np.asarray(lse, np.float64), o_lse, atol=lse_atol, rtol=lse_atol)
     ref_out, ref_lse = sparse_decode_reference(*batch.args(), scale=scale)
-    chex.assert_trees_all_close(out.astype(jnp.float32), ref_out.astype(jnp.float32), atol=atol,
-                                rtol=atol)
+    chex.assert_trees_all_close(out, ref_out, atol=atol, rtol=atol)
     chex.assert_trees_all_close(lse, ref_lse, atol=lse_atol, rtol=lse_atol)
 
 
