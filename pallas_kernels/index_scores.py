@@ -28,8 +28,9 @@ Kernel layout: grid (T, ceil(P / pages_per_program)); program (t, c) owns pages
 [c * ppp, (c + 1) * ppp) of token t, loads the token's H query rows once and loops
 (software-pipelined fori_loop) over its valid pages, one contiguous [128, Di] page per
 iteration, scoring all H heads against it (shared index-key head: one read per page per
-token); the program's page ids are loaded as one vector before the loop by default. The dot needs M >= 16 rows: the H query rows are replicated 16 / H times (no padding
-rows to mask) and the duplicate rows are folded back with a max at the end.
+token); the program's page ids are loaded as one vector before the loop by default. The
+dot needs M >= 16 rows: the H query rows are replicated 16 / H times (no padding rows to
+mask) and the duplicate rows are folded back with a max at the end.
 """
 from __future__ import annotations
 
@@ -63,8 +64,6 @@ def cast_query(q, dtype):
     if jnp.dtype(dtype) == jnp.float16 and q.dtype == jnp.bfloat16:
         q = jnp.clip(q.astype(jnp.float32), -_F16_MAX, _F16_MAX)
     return q.astype(dtype)
-
-
 
 
 def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> None:

@@ -48,7 +48,6 @@ MASK = -1e30  # finite mask value for scores (base-2 units)
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-
 def padded_group(num_q_heads: int, num_kv_heads: int) -> int:
     """Rows of one program's dot: the GQA group padded to a power of two >= 16."""
     return max(MIN_DOT, next_pow2(num_q_heads // num_kv_heads))
@@ -64,6 +63,14 @@ def pipeline_smem_bytes(num_stages: int, stage: int) -> int:
     it buffers ``num_stages - 1`` loads in flight (ncu on the H200: 139 KiB at 3 stages of
     64 KiB), plus scratch."""
     return max(1, num_stages - 1) * stage + SMEM_SCRATCH
+
+
+def check_pipeline_fits(fn: str, num_stages: int, stage: int) -> None:
+    """ValueError naming ``fn``'s num_stages when its ``num_stages - 1`` K+V stage buffers of
+    ``stage`` bytes (+ scratch) exceed :data:`SMEM_BYTES`."""
+    if pipeline_smem_bytes(num_stages, stage) > SMEM_BYTES:
+        raise ValueError(f"{fn}: num_stages {num_stages} buffers {num_stages - 1} x {stage} "
+                         f"bytes of K+V + scratch: more than {SMEM_BYTES} bytes of shared memory")
 
 
 def max_stages(stage: int) -> int:
@@ -141,17 +148,24 @@ def _check_tunable(name: str, fn: str, value: int, allowed) -> None:
 # Pure jax.numpy reference
 # --------------------------------------------------------------------------------------------
 
-def sanitize_selection(selected, kv_lens, num_cols):
-    """The safety boundary. ``selected [T,Hkv,16]``, ``kv_lens [T]`` int32, block-table width
-    ``num_cols`` -> ``(blk [T,Hkv,16] int32, ok [T,Hkv,16] bool)``: ``ok`` is true for a consumed
-    slot (``slot < n_use``) holding a block id in ``[0, min(ceil(kv_len/128), num_cols))``;
-    ``blk`` is the id where ``ok`` and 0 elsewhere."""
-    kv = jnp.maximum(kv_lens, 0)
-    n_blocks = (kv + PAGE - 1) // PAGE
+def consumed_slots(selected, kv_lens, num_cols):
+    """The safety boundary's slot mask: ``selected [..., 16]`` int32 block ids, ``kv_lens``
+    int32 of shape ``selected.shape[:-1]`` (or broadcastable to it), block-table width
+    ``num_cols`` -> bool ``[..., 16]``, true for a consumed slot (``slot < n_use``) holding a
+    block id in ``[0, min(ceil(kv_len/128), num_cols))``. Plain jnp: the reference and both
+    kernels use it."""
+    n_blocks = (jnp.maximum(kv_lens, 0) + PAGE - 1) // PAGE
     n_use = jnp.minimum(n_blocks, TOPK)
     slot = jnp.arange(TOPK, dtype=jnp.int32)
-    ok = ((slot[None, None, :] < n_use[:, None, None]) & (selected >= 0)
-          & (selected < jnp.minimum(n_blocks, num_cols)[:, None, None]))
+    bound = jnp.minimum(n_blocks, num_cols)
+    return (slot < n_use[..., None]) & (selected >= 0) & (selected < bound[..., None])
+
+
+def sanitize_selection(selected, kv_lens, num_cols):
+    """The safety boundary. ``selected [T,Hkv,16]``, ``kv_lens [T]`` int32, block-table width
+    ``num_cols`` -> ``(blk [T,Hkv,16] int32, ok [T,Hkv,16] bool)``: ``ok`` is
+    :func:`consumed_slots`; ``blk`` is the id where ``ok`` and 0 elsewhere."""
+    ok = consumed_slots(selected, kv_lens[:, None], num_cols)
     return jnp.where(ok, selected, 0), ok
 
 
@@ -266,16 +280,13 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
     split = pl.program_id(2)
     kv_len = jnp.maximum(len_ref[t], 0)
     row = jnp.clip(req_ref[t], 0, num_rows - 1)
-    n_blocks = (kv_len + PAGE - 1) // PAGE
-    n_use = jnp.minimum(n_blocks, TOPK)
     q = q_ref[...]
     rows = q.shape[0]
     # All 16 slots at once, outside the loop: boundary, one gather of the page ids, compaction
     # of the valid slots, so the loop body holds no dependent scalar loads (its K/V loads can be
     # pipelined) and runs over valid slots only.
-    slot = jnp.arange(TOPK, dtype=jnp.int32)
     raw = sel_ref[...]                                    # [16]
-    ok_vec = (slot < n_use) & (raw >= 0) & (raw < jnp.minimum(n_blocks, num_cols))
+    ok_vec = consumed_slots(raw, kv_len, num_cols)
     blk_vec = jnp.where(ok_vec, raw, 0)                   # boundary: before the table read
     page_vec = jnp.clip(bt_ref[row, blk_vec], 0, num_pages - 1)
     pos_vec, n_valid = compact_slots(ok_vec)
@@ -355,10 +366,7 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     if num_stages is None:  # the default depth, re-capped for the chosen step size
         num_stages = min(cfg["num_stages"], max_stages(stage))
     _check_tunable("num_stages", "sparse_decode", num_stages, (1, 2, 3, 4, 5, 6, 7))
-    if pipeline_smem_bytes(num_stages, stage) > SMEM_BYTES:
-        raise ValueError(f"sparse_decode: num_stages {num_stages} buffers {num_stages - 1} x "
-                         f"{stage} bytes of K+V (keys_per_step {kps}) + scratch: more than "
-                         f"{SMEM_BYTES} bytes of shared memory")
+    check_pipeline_fits("sparse_decode", num_stages, stage)
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
 
@@ -400,7 +408,8 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     return out, lse[:, :, :g].reshape(t, hq)
 
 
-__all__ = ["sparse_decode", "sparse_decode_reference", "sanitize_selection", "merge_splits",
+__all__ = ["sparse_decode", "sparse_decode_reference", "consumed_slots", "sanitize_selection",
+           "merge_splits", "check_pipeline_fits",
            "online_softmax_step", "finalize", "validate_inputs", "padded_group",
            "default_decode_config", "step_bytes",
            "compact_slots", "pipeline_smem_bytes", "max_stages", "PAGE", "TOPK", "KEYS_PER_STEP"]

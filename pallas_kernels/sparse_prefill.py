@@ -26,8 +26,8 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._shapes import NUM_SMS_H200, whole_block
 from pallas_kernels.sparse_decode import (
-    LOG2E, MASK, PAGE, SMEM_BYTES, TOPK, _check_tunable, finalize, merge_splits,
-    online_softmax_step, padded_group, pipeline_smem_bytes, sanitize_selection, step_bytes,
+    LOG2E, MASK, PAGE, TOPK, _check_tunable, check_pipeline_fits, consumed_slots, finalize,
+    merge_splits, online_softmax_step, padded_group, sanitize_selection, step_bytes,
     sparse_decode_reference, validate_inputs)
 
 MAX_TILE_ROWS = 256  # tokens_per_tile * padded group: accumulator rows of one program
@@ -101,13 +101,8 @@ def _prefill_kernel(row_ref, len_ref, cnt_ref, bt_ref, sel_ref, union_ref, q_ref
     tok_row = row_ref[...]
     tq = tok_len.shape[0]
     rows = tq * group_rows
-    n_blocks = (tok_len + PAGE - 1) // PAGE
-    n_use = jnp.minimum(n_blocks, TOPK)
     sel = sel_ref[...]                                                    # [TQ,16]
-    slot = jnp.arange(TOPK, dtype=jnp.int32)
-    ok = ((slot[None, :] < n_use[:, None]) & (sel >= 0)
-          & (sel < jnp.minimum(n_blocks, num_cols)[:, None]))
-    sel = jnp.where(ok, sel, -1)
+    sel = jnp.where(consumed_slots(sel, tok_len, num_cols), sel, -1)
     # row -> token expansion as a [rows, TQ] one-hot (no gathers in Triton)
     row_tok = jnp.arange(rows, dtype=jnp.int32) // group_rows
     onehot = row_tok[:, None] == jnp.arange(tq, dtype=jnp.int32)[None, :]
@@ -182,10 +177,7 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
     num_stages = default_num_stages(q.dtype, d) if num_stages is None else num_stages
     _check_tunable("num_warps", "sparse_prefill", num_warps, (1, 2, 4, 8, 16))
     _check_tunable("num_stages", "sparse_prefill", num_stages, (1, 2, 3, 4, 5, 6))
-    if pipeline_smem_bytes(num_stages, step_bytes(q.dtype, d)) > SMEM_BYTES:
-        raise ValueError(f"sparse_prefill: num_stages {num_stages} buffers {num_stages - 1} x "
-                         f"{step_bytes(q.dtype, d)} bytes of K+V pages + scratch: more than "
-                         f"{SMEM_BYTES} bytes of shared memory")
+    check_pipeline_fits("sparse_prefill", num_stages, step_bytes(q.dtype, d))
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
 

@@ -31,11 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._shapes import is_pow2, next_pow2
-
 from pallas_kernels.index_scores import (PAGE_SIZE, msa_index_scores,
                                          msa_index_scores_reference)
-
-
 
 
 def _validate(scores, num_valid_pages, topk, local_blocks, init_blocks) -> None:
