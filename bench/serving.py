@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -33,15 +34,14 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_msa_runner.buckets import Bucket  # noqa: E402
 from jax_msa_runner.config import FP8_INDEX_CACHE_DTYPE, RunnerConfig  # noqa: E402
-from jax_msa_runner.model import (ModelConfig, compute_logits, default_attention_impl,  # noqa: E402
-                                  forward, init_caches, init_params)
-from jax_msa_runner.runner import pack_step_inputs, sample_tokens  # noqa: E402
-from jax_msa_runner.staging import pack_host_batch, packed_size, stage_packed  # noqa: E402
+from jax_msa_runner.model import (ModelConfig, default_attention_impl,  # noqa: E402
+                                  init_caches, init_params)
+from jax_msa_runner.runner import pack_step_inputs, serve_step  # noqa: E402
+from jax_msa_runner.staging import pack_host_batch  # noqa: E402
 
 
 INDEX_CACHE_DTYPES = ("bfloat16", FP8_INDEX_CACHE_DTYPE)
@@ -56,21 +56,17 @@ def bench_config(layers: int, index_cache_dtype: str = "bfloat16") -> ModelConfi
 
 
 def make_step(bucket, rconfig, mconfig, impl, mode):
-    """The runner's step with the attention mode exposed (the runner serves MSA)."""
+    """The runner's step (``runner.serve_step``) for ``bucket`` with the attention mode exposed
+    (the runner serves MSA): (params, caches, host_buf) -> (next_tokens, caches), caches
+    donated."""
+    step = functools.partial(serve_step, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
+                             attention_impl=impl, attention_mode=mode)
 
-    def step(params, caches, host_buf):
-        R, T = bucket.num_reqs, bucket.num_tokens
-        o = packed_size(bucket)
-        md = stage_packed(host_buf[:o], bucket, rconfig)
-        hidden, caches = forward(params, caches, host_buf[o:o + T], md, config=mconfig,
-                                 attention_impl=impl, attention_mode=mode)
-        last = jnp.clip(md.query_start_loc[1:] - 1, 0, T - 1)
-        logits = compute_logits(params, hidden[last], mconfig)
-        temp = jax.lax.bitcast_convert_type(host_buf[o + T + 2 * R:], jnp.float32)
-        nxt = sample_tokens(logits, temp, host_buf[o + T:o + T + R], host_buf[o + T + R:o + T + 2 * R])
+    def tokens_and_caches(params, caches, host_buf):
+        nxt, _, caches, _ = step(params, caches, host_buf)
         return nxt, caches
 
-    return jax.jit(step, donate_argnums=1)
+    return jax.jit(tokens_and_caches, donate_argnums=1)
 
 
 def run_point(params, mconfig, batch, context, impl, mode, iters):

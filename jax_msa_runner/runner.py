@@ -82,8 +82,8 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, seeds: jax.Array,
 
 
 def _step_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
-               rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str, interpret: bool
-               ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
+               rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str, interpret: bool,
+               attention_mode: str) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
     """One step on one device or one DCP rank (caches: the rank's own, leaves [N, ...])."""
     R, T = bucket.num_reqs, bucket.num_tokens
     o = packed_size(bucket)
@@ -93,7 +93,7 @@ def _step_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: B
     sample_index = host_buf[o + T + R:o + T + 2 * R]
     temperature = jax.lax.bitcast_convert_type(host_buf[o + T + 2 * R:], jnp.float32)
     hidden, caches = forward(params, caches, tokens, md, config=mconfig,
-                             attention_impl=attention_impl,
+                             attention_impl=attention_impl, attention_mode=attention_mode,
                              dcp_world_size=rconfig.dcp_world_size, interpret=interpret)
     last = jnp.clip(md.query_start_loc[1:] - 1, 0, T - 1)  # last token of each row
     logits = compute_logits(params, hidden[last], mconfig)
@@ -103,9 +103,12 @@ def _step_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: B
 
 def serve_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
                rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
-               interpret: bool = False, mesh: Mesh | None = None
+               interpret: bool = False, mesh: Mesh | None = None, attention_mode: str = "msa"
                ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
     """One serving step for ``bucket`` (static). host_buf int32 [host_buffer_size(bucket)].
+
+    attention_mode (static): "msa" (what the runner serves) or "dense" (every MSA layer on
+    dense paged attention over the same caches: the baseline of ``bench/serving.py``).
 
     Without DCP (rconfig.dcp_world_size == 1, mesh None) caches are leaves [N, ...]. With
     DCP, mesh is the "dcp" mesh of W devices and caches are per-rank stacks [W, N_local, ...]
@@ -114,7 +117,8 @@ def serve_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: B
     last token, updated caches, the staged metadata); all but the caches replicated.
     """
     body = functools.partial(_step_body, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
-                             attention_impl=attention_impl, interpret=interpret)
+                             attention_impl=attention_impl, interpret=interpret,
+                             attention_mode=attention_mode)
     if rconfig.dcp_world_size == 1:
         return body(params, caches, host_buf)
     if mesh is None:
@@ -133,7 +137,8 @@ def serve_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: B
 
 
 _serve_step_jit = jax.jit(serve_step, static_argnames=("bucket", "rconfig", "mconfig",
-                                                       "attention_impl", "interpret", "mesh"),
+                                                       "attention_impl", "interpret", "mesh",
+                                                       "attention_mode"),
                           donate_argnames=("caches",))
 
 
