@@ -326,6 +326,20 @@ def swigluoai(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
 
 # ---- attention -------------------------------------------------------------------------------
 
+def dense_layer_attention(q: jax.Array, kv_cache: jax.Array, md: BatchMetadata, *, scale: float,
+                          dcp_world_size: int = 1) -> jax.Array:
+    """Dense paged causal attention of one layer over the (already written) cache.
+
+    q [T, Hq, D]; kv_cache [N, Hkv, 128, 2D]. dcp_world_size W > 1: inside a shard_map over
+    "dcp" (rank-local cache, LSE merge across ranks). Returns [T, Hq, D] in q.dtype.
+    """
+    if dcp_world_size > 1:
+        return rank_dense_attention(q, kv_cache, md, world_size=dcp_world_size, scale=scale)[0]
+    out, _ = paged_causal_attention(q, kv_cache, md.block_table, md.req_indices, md.kv_lens,
+                                    scale=scale)
+    return out
+
+
 def msa_layer_attention(q: jax.Array, index_q: jax.Array, kv_cache: jax.Array,
                         index_k_cache: jax.Array, md: BatchMetadata, *, scale: float,
                         attention_impl: str, attention_mode: str = "msa",
@@ -346,9 +360,9 @@ def msa_layer_attention(q: jax.Array, index_q: jax.Array, kv_cache: jax.Array,
     """
     if attention_mode not in ATTENTION_MODES:
         raise ValueError(f"attention_mode: one of {ATTENTION_MODES}, got {attention_mode!r}")
+    if attention_mode == "dense":
+        return dense_layer_attention(q, kv_cache, md, scale=scale, dcp_world_size=dcp_world_size)
     if dcp_world_size > 1:
-        if attention_mode == "dense":
-            return rank_dense_attention(q, kv_cache, md, world_size=dcp_world_size, scale=scale)[0]
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl: one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         if local_blocks != 1:
@@ -358,10 +372,6 @@ def msa_layer_attention(q: jax.Array, index_q: jax.Array, kv_cache: jax.Array,
                                        world_size=dcp_world_size, scale=scale,
                                        use_kernels=attention_impl == "pallas",
                                        interpret=interpret, init_blocks=init_blocks)
-        return out
-    if attention_mode == "dense":
-        out, _ = paged_causal_attention(q, kv_cache, md.block_table, md.req_indices, md.kv_lens,
-                                        scale=scale)
         return out
     if attention_impl == "pallas":
         out, _, _ = msa_attention(q, index_q, kv_cache, index_k_cache, md, scale=scale,
@@ -399,11 +409,8 @@ def _attention_block(layer: dict, x: jax.Array, kv_cache: jax.Array, index_cache
                                    attention_impl=attention_impl, attention_mode=attention_mode,
                                    init_blocks=c.init_blocks, local_blocks=c.local_blocks,
                                    dcp_world_size=W, interpret=interpret)
-    elif W > 1:
-        attn, _ = rank_dense_attention(q, kv_cache, md, world_size=W, scale=c.scale)
     else:
-        attn, _ = paged_causal_attention(q, kv_cache, md.block_table, md.req_indices, md.kv_lens,
-                                         scale=c.scale)
+        attn = dense_layer_attention(q, kv_cache, md, scale=c.scale, dcp_world_size=W)
     out = attn.reshape(T, c.num_heads * c.head_dim) @ layer["o_proj"]
     return out, kv_cache, index_cache
 
