@@ -43,6 +43,12 @@ class KVCaches:
         return self.kv[0].shape[0]
 
 
+def _check_num_pages(num_pages: int) -> None:
+    if num_pages <= len(RESERVED_PAGES):
+        raise ValueError(f"num_pages: need the reserved pages {RESERVED_PAGES} plus at least one "
+                         f"page, got {num_pages}")
+
+
 def init_kv_caches(num_pages: int, num_kv_heads: int, head_dim: int, index_dim: int,
                    layer_is_msa: Sequence[bool], dtype=jnp.float32,
                    index_dtype=None) -> KVCaches:
@@ -50,9 +56,7 @@ def init_kv_caches(num_pages: int, num_kv_heads: int, head_dim: int, index_dim: 
 
     kv pages in ``dtype``; index-K pages in ``index_dtype`` (None: ``dtype``).
     """
-    if num_pages <= len(RESERVED_PAGES):
-        raise ValueError(f"num_pages: need the reserved pages {RESERVED_PAGES} plus at least one "
-                         f"page, got {num_pages}")
+    _check_num_pages(num_pages)
     index_dtype = dtype if index_dtype is None else index_dtype
     kv = tuple(jnp.zeros((num_pages, num_kv_heads, PAGE_SIZE, 2 * head_dim), dtype)
                for _ in layer_is_msa)
@@ -123,9 +127,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_pages: int):
-        if num_pages <= len(RESERVED_PAGES):
-            raise ValueError(f"num_pages: need the reserved pages {RESERVED_PAGES} plus at least "
-                             f"one page, got {num_pages}")
+        _check_num_pages(num_pages)
         self.num_pages = num_pages
         first = len(RESERVED_PAGES)
         self._free = list(range(num_pages - 1, first - 1, -1))  # stack, pop() gives the lowest id
