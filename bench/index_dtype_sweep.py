@@ -25,10 +25,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.kernels import INDEX_DIM, PAGE, copy_bandwidth, time_jax  # noqa: E402
+from jax_msa_runner.config import FP8_INDEX_CACHE_DTYPE  # noqa: E402
 from pallas_kernels.index_scores import msa_index_scores  # noqa: E402
 
 SHAPES = ((64, 131072), (16, 131072), (128, 65536))  # (B decode tokens, context L)
-DTYPES = ("bfloat16", "float8_e4m3fn")
+DTYPES = ("bfloat16", FP8_INDEX_CACHE_DTYPE)
 GRID = [(ppp, w, s) for ppp in (16, 32, 64) for w in (4, 8) for s in (3, 5)]
 
 

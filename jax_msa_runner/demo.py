@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from jax_msa_runner.config import RunnerConfig
+from jax_msa_runner.config import FP8_INDEX_CACHE_DTYPE, RunnerConfig
 from jax_msa_runner.dcp_attention import DCPError
 from jax_msa_runner.kv_cache import RESERVED_PAGES, pages_needed
 from jax_msa_runner.model import ModelConfig
@@ -47,7 +47,7 @@ def add_demo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="default: pallas on a GPU, reference elsewhere")
     g.add_argument("--num-layers", type=int, default=None,
                    help="override the tiny model's layer count (layer 0 dense, others MSA)")
-    g.add_argument("--index-cache-dtype", choices=("auto", "float8_e4m3fn"), default="auto",
+    g.add_argument("--index-cache-dtype", choices=("auto", FP8_INDEX_CACHE_DTYPE), default="auto",
                    help="index-K cache dtype (auto: the model dtype; float8_e4m3fn: raw fp8 keys "
                         "the indexer upcasts)")
     g.add_argument("--debug", action="store_true", help="validate every step's metadata")
@@ -92,11 +92,9 @@ def _bar(done: int, total: int, step: int, width: int = 30) -> str:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Serve the synthetic workload and print the summary; returns a process exit code."""
-    mc = ModelConfig.tiny(index_cache_dtype=args.index_cache_dtype)
-    if args.num_layers is not None:
-        mc = ModelConfig.tiny(num_layers=args.num_layers,
-                              sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1),
-                              index_cache_dtype=args.index_cache_dtype)
+    layers = {} if args.num_layers is None else dict(
+        num_layers=args.num_layers, sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1))
+    mc = ModelConfig.tiny(index_cache_dtype=args.index_cache_dtype, **layers)
     budget = args.max_num_batched_tokens
     # few buckets keep start-up short; decode batches pad up to the next one
     sizes = tuple(s for s in (8, 32, 128, 512) if s < budget) + (budget,)

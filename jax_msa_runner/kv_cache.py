@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_msa_runner.config import PAGE_SIZE
+from jax_msa_runner.config import FP8_INDEX_CACHE_DTYPE, PAGE_SIZE
 
 NULL_PAGE = 0
 DUMMY_PAGE = 1  # == staging.DUMMY_PAGE_ID: dummy batches' scratch page
@@ -88,7 +88,7 @@ def cast_index_k(index_k: jax.Array, dtype) -> jax.Array:
     """index_k (any shape, float) cast to the index-cache ``dtype``. float8_e4m3fn has no inf
     and turns overflow into NaN, so values are clipped to its finite range +-448 first."""
     dtype = jnp.dtype(dtype)
-    if dtype == jnp.dtype(jnp.float8_e4m3fn):
+    if dtype == jnp.dtype(FP8_INDEX_CACHE_DTYPE):
         fmax = float(jnp.finfo(dtype).max)
         index_k = jnp.clip(index_k, -fmax, fmax)
     return index_k.astype(dtype)
