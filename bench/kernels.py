@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jax_msa_runner.compare import rel_l2  # noqa: E402
 from pallas_kernels.index_scores import msa_index_scores  # noqa: E402
 from pallas_kernels.sparse_decode import sparse_decode  # noqa: E402
 from pallas_kernels.topk_select import msa_index_select  # noqa: E402
@@ -231,12 +232,6 @@ def selection_agreement(a: np.ndarray, b: np.ndarray) -> float:
     rows = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
     same = [set(x[x >= 0].tolist()) == set(y[y >= 0].tolist()) for x, y in zip(*rows)]
     return float(np.mean(same))
-
-
-def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def bench_shape(shape: Shape, ops, *, reps: int, trials: int, seed: int) -> dict:
