@@ -1,7 +1,7 @@
 """Where the sparse-decode time goes at 16/1 B=128 (H200): variants and ncu.
 
 Subcommands (run on the GPU machine, driven by `bench/decode_profile.sh`):
-  time   --out DIR [--set pipeline|warps|vmask|vparts]  interleaved cold-L2 timings of decode variants
+  time   --out DIR [--set pipeline|warps|vmask]  interleaved cold-L2 timings of decode variants
                     (V masking, stages, warps, step size, splits) at 16/1 B=128, 16/1 B=64 and
                     64/4 B=128. Writes DIR/decode_profile.json and prints a table with % of
                     copy bandwidth.
@@ -73,29 +73,7 @@ WARPS_VARIANTS = {
 VMASK_VARIANTS = {name: [("default", {}), ("load", dict(v_mask="load"))]
                   for name in ("16/1 B=16", "16/1 B=64", "16/1 B=128", "64/4 B=16", "64/4 B=64",
                                "64/4 B=128")}
-# Fourth session: V's columns over two programs per row (v_parts=2; each recomputes the scores,
-# the two read the same K, from L2 for the second): twice the programs without a split merge,
-# two or three programs per SM at 16/1 B=128 where one split leaves one program per SM.
-VP = dict(v_parts=2)
-VPARTS_VARIANTS = {
-    "16/1 B=128": [("default", {}), ("vp2 s3", dict(VP, num_stages=3)),
-                   ("vp2 s2", dict(VP, num_stages=2)), ("vp2 s4", dict(VP, num_stages=4)),
-                   ("vp2 s3 load", dict(VP, num_stages=3, v_mask="load")),
-                   ("vp2 k64 s4", dict(VP, keys_per_step=64, num_stages=4)),
-                   ("vp2 s3 w8", dict(VP, num_stages=3, num_warps=8))],
-    "16/1 B=64": [("default", {}), ("vp2 s3", dict(VP, num_stages=3)),
-                  ("vp2 s2", dict(VP, num_stages=2)),
-                  ("vp2 sp2 s2", dict(VP, num_splits=2, num_stages=2))],
-    "16/1 B=16": [("default", {}), ("vp2 sp8 s2", dict(VP, num_splits=8, num_stages=2)),
-                  ("vp2 sp8 s3", dict(VP, num_splits=8, num_stages=3))],
-    "64/4 B=128": [("default", {}), ("vp2 s2", dict(VP, num_stages=2)),
-                   ("vp2 s3", dict(VP, num_stages=3))],
-    "64/4 B=64": [("default", {}), ("vp2 s2", dict(VP, num_stages=2))],
-    "64/4 B=16": [("default", {}), ("vp2 s2", dict(VP, num_stages=2)),
-                  ("vp2 sp2 s2", dict(VP, num_splits=2, num_stages=2))],
-}
-VARIANT_SETS = {"pipeline": VARIANTS, "warps": WARPS_VARIANTS, "vmask": VMASK_VARIANTS,
-                "vparts": VPARTS_VARIANTS}
+VARIANT_SETS = {"pipeline": VARIANTS, "warps": WARPS_VARIANTS, "vmask": VMASK_VARIANTS}
 
 
 def variant_fn(kw: dict):
@@ -151,9 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     p.add_argument("--set", choices=tuple(VARIANT_SETS), default="pipeline",
                    help="variants to time: pipeline (stages, warps, splits, V masking; second "
-                        "session), warps (fewer warps per program), vmask (select vs masked "
-                        "V load at six shapes; third session) or vparts (V's columns over two "
-                        "programs; fourth session)")
+                        "session), warps (fewer warps per program) or vmask (select vs masked "
+                        "V load at six shapes; third session)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)

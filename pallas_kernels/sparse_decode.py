@@ -53,10 +53,9 @@ def padded_group(num_q_heads: int, num_kv_heads: int) -> int:
     return max(MIN_DOT, next_pow2(num_q_heads // num_kv_heads))
 
 
-def step_bytes(dtype, head_dim: int, keys_per_step: int = PAGE, v_parts: int = 1) -> int:
-    """Shared-memory bytes of one pipeline stage: K ``[keys_per_step, D]`` and V
-    ``[keys_per_step, D / v_parts]``."""
-    return keys_per_step * (head_dim + head_dim // v_parts) * jnp.dtype(dtype).itemsize
+def step_bytes(dtype, head_dim: int, keys_per_step: int = PAGE) -> int:
+    """Shared-memory bytes of one pipeline stage: K and V, ``[keys_per_step, D]`` each."""
+    return keys_per_step * 2 * head_dim * jnp.dtype(dtype).itemsize
 
 
 def pipeline_smem_bytes(num_stages: int, stage: int) -> int:
@@ -97,8 +96,8 @@ def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
             splits *= 2
     stages = 3 if num_rows * splits <= NUM_SMS_H200 else 2
     stages = min(stages, max_stages(step_bytes(dtype, head_dim, PAGE)))
-    return dict(num_splits=splits, v_parts=1, num_warps=4, num_stages=stages,
-                keys_per_step=PAGE, v_mask="select")
+    return dict(num_splits=splits, num_warps=4, num_stages=stages, keys_per_step=PAGE,
+                v_mask="select")
 
 
 def validate_inputs(q, kv_cache, selected, block_table, req_indices, kv_lens, *, name: str):
@@ -272,15 +271,13 @@ def compact_slots(ok):
 
 
 def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_ref, *,
-                   num_splits, v_parts, keys_per_step, v_mask, head_dim, num_pages, num_rows,
-                   num_cols, scale_log2):
-    """One (token, kv head, split, V part): ``q_ref [M,D]``, ``sel_ref [16]``, whole ``kv_ref``,
-    ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D/v_parts]``, ``lse_ref [M]``."""
-    t = pl.program_id(0) // v_parts  # a row's V parts are neighbours: they share K in L2
-    part = pl.program_id(0) % v_parts
+                   num_splits, keys_per_step, v_mask, head_dim, num_pages, num_rows, num_cols,
+                   scale_log2):
+    """One (token, kv head, split): ``q_ref [M,D]``, ``sel_ref [16]``, whole ``kv_ref``,
+    ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D]``, ``lse_ref [M]``."""
+    t = pl.program_id(0)
     h = pl.program_id(1)
     split = pl.program_id(2)
-    dv = head_dim // v_parts
     kv_len = jnp.maximum(len_ref[t], 0)
     row = jnp.clip(req_ref[t], 0, num_rows - 1)
     q = q_ref[...]
@@ -311,7 +308,7 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
         hit = jnp.sum(pick.astype(jnp.int32)) > 0         # always true: no step past n_valid
         key_ok = hit & (blk * PAGE + start + keys < kv_len)          # [K]: all rows alike
         k = kv_ref[page, h, pl.ds(start, keys_per_step), pl.ds(0, head_dim)]
-        v_at = kv_ref.at[page, h, pl.ds(start, keys_per_step), pl.ds(head_dim + part * dv, dv)]
+        v_at = kv_ref.at[page, h, pl.ds(start, keys_per_step), pl.ds(head_dim, head_dim)]
         if v_mask == "load":  # invalid rows never loaded (zero-filled): V streams to the dot
             v = plt.load(v_at, mask=key_ok[:, None], other=0)
         else:
@@ -319,7 +316,7 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
         return online_softmax_step(carry, q, k, v, key_ok[None, :], scale_log2,
                                    mask_v=v_mask == "select")
 
-    init = (jnp.zeros((rows, dv), jnp.float32),
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(0, n_slots * steps_per_slot, body, init)
@@ -328,12 +325,11 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
     lse_ref[...] = lse
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "v_parts",
-                                             "num_warps", "num_stages", "keys_per_step",
-                                             "v_mask"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_warps",
+                                             "num_stages", "keys_per_step", "v_mask"))
 def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
-                  interpret=False, num_splits=None, v_parts=None, num_warps=None,
-                  num_stages=None, keys_per_step=None, v_mask=None):
+                  interpret=False, num_splits=None, num_warps=None, num_stages=None,
+                  keys_per_step=None, v_mask=None):
     """MSA sparse decode (spec section 4) with the kernel safety boundary.
 
     Args:
@@ -344,9 +340,7 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
       block_table: ``[R, P]`` int32 page ids; req_indices ``[T]`` int32 rows of it.
       kv_lens: ``[T]`` int32 visible keys per token (0 = padded row).
       scale: softmax scale (static). interpret: Pallas interpret mode (CPU).
-      num_splits: split-K factor in {1, 2, 4, 8, 16}; v_parts: programs per (token, KV head,
-        split) in {1, 2}, each computing the scores and the output for ``D / v_parts`` of V's
-        columns (more programs without a merge); keys_per_step: keys per loop step (one
+      num_splits: split-K factor in {1, 2, 4, 8, 16}; keys_per_step: keys per loop step (one
         pipeline stage of ``keys_per_step * 2D`` elements) in {64, 128}; num_warps,
         num_stages: Triton launch tunables (``num_stages - 1`` stage buffers must fit 227 KiB);
         v_mask: ``"select"`` (load V, then zero invalid rows) or ``"load"`` (masked load that
@@ -364,16 +358,11 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     cfg = default_decode_config(t * hkv, q.dtype, d)
     splits = cfg["num_splits"] if num_splits is None else num_splits
     _check_tunable("num_splits", "sparse_decode", splits, (1, 2, 4, 8, 16))
-    v_parts = cfg["v_parts"] if v_parts is None else v_parts
-    _check_tunable("v_parts", "sparse_decode", v_parts, (1, 2))
-    if d // v_parts < MIN_DOT:
-        raise ValueError(f"sparse_decode: v_parts {v_parts} leaves D / v_parts = "
-                         f"{d // v_parts} V columns, fewer than {MIN_DOT}")
     kps = cfg["keys_per_step"] if keys_per_step is None else keys_per_step
     _check_tunable("keys_per_step", "sparse_decode", kps, KEYS_PER_STEP)
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     _check_tunable("num_warps", "sparse_decode", num_warps, (1, 2, 4, 8, 16))
-    stage = step_bytes(q.dtype, d, kps, v_parts)
+    stage = step_bytes(q.dtype, d, kps)
     if num_stages is None:  # the default depth, re-capped for the chosen step size
         num_stages = min(cfg["num_stages"], max_stages(stage))
     _check_tunable("num_stages", "sparse_decode", num_stages, (1, 2, 3, 4, 5, 6, 7))
@@ -387,36 +376,30 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     out_dtype = q.dtype if splits == 1 else jnp.float32
     v_mask = cfg["v_mask"] if v_mask is None else v_mask
     _check_tunable("v_mask", "sparse_decode", v_mask, V_MASKS)
-    dv = d // v_parts
-    kernel = functools.partial(_decode_kernel, num_splits=splits, v_parts=v_parts,
-                               keys_per_step=kps,
+    kernel = functools.partial(_decode_kernel, num_splits=splits, keys_per_step=kps,
                                v_mask=v_mask, head_dim=d, num_pages=n, num_rows=r, num_cols=p,
                                scale_log2=float(scale) * LOG2E)
     o, lse = pl.pallas_call(
         kernel,
-        grid=(t * v_parts, hkv, splits),
+        grid=(t, hkv, splits),
         in_specs=[
             whole_block((t,)),                                             # req_indices
             whole_block((t,)),                                             # kv_lens
             whole_block(block_table.shape),                                # block_table
-            pl.BlockSpec((None, None, TOPK), lambda i, h, s: (i // v_parts, h, 0)),  # sel.
-            pl.BlockSpec((None, None, m_rows, d),
-                         lambda i, h, s: (i // v_parts, h, 0, 0)),           # q
+            pl.BlockSpec((None, None, TOPK), lambda i, h, s: (i, h, 0)),   # selected
+            pl.BlockSpec((None, None, m_rows, d), lambda i, h, s: (i, h, 0, 0)),  # q
             whole_block(kv_cache.shape),                                   # kv_cache
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, m_rows, dv),
-                         lambda i, h, s: (s, i // v_parts, h, 0, i % v_parts)),
-            pl.BlockSpec((None, None, None, None, m_rows),
-                         lambda i, h, s: (i % v_parts, s, i // v_parts, h, 0)),
-        ],  # lse: one copy per V part (the parts compute the same softmax), part 0 is kept
+            pl.BlockSpec((None, None, None, m_rows, d), lambda i, h, s: (s, i, h, 0, 0)),
+            pl.BlockSpec((None, None, None, m_rows), lambda i, h, s: (s, i, h, 0)),
+        ],
         out_shape=[jax.ShapeDtypeStruct((splits, t, hkv, m_rows, d), out_dtype),
-                   jax.ShapeDtypeStruct((v_parts, splits, t, hkv, m_rows), jnp.float32)],
+                   jax.ShapeDtypeStruct((splits, t, hkv, m_rows), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="msa_sparse_decode",
     )(req_indices, kv_lens, block_table, selected, qg, kv_cache)
-    lse = lse[0]
     if splits == 1:
         o, lse = o[0], lse[0]
     else:

@@ -207,23 +207,21 @@ DECODE_REQS = (
 IDENTITY_ROWS = (0, 1, 2, 3, 4, 5, 8, 9, 10)  # tokens of requests with kv_len <= 2048, unedited
 
 
-@pytest.mark.parametrize("dtype,hkv,d,num_splits,keys_per_step,v_mask,v_parts", [
-    (jnp.float32, 1, 128, None, None, None, None),  # default split (8 here), whole pages
-    (jnp.bfloat16, 4, 64, None, None, None, None),  # default split (2); D = 64: small cache
-    (jnp.bfloat16, 1, 128, 1, None, "select", None),  # single split: the kernel writes out
-    (jnp.bfloat16, 1, 128, 1, None, "load", None),  # same, V's invalid rows never loaded
-    (jnp.bfloat16, 1, 128, 1, 64, None, None),      # half-page steps, single split
-    (jnp.float32, 1, 128, 4, 64, "load", None),     # half-page steps, 4 splits, masked V load
-    (jnp.bfloat16, 1, 128, 1, None, None, 2),       # V's columns over two programs
-    (jnp.float32, 4, 64, 2, 64, "load", 2),         # V parts x splits, half pages, masked V
+@pytest.mark.parametrize("dtype,hkv,d,num_splits,keys_per_step,v_mask", [
+    (jnp.float32, 1, 128, None, None, None),  # default split (8 for this batch), whole pages
+    (jnp.bfloat16, 4, 64, None, None, None),  # default split (2); D = 64 keeps the cache small
+    (jnp.bfloat16, 1, 128, 1, None, "select"),  # single split: the kernel writes the output
+    (jnp.bfloat16, 1, 128, 1, None, "load"),  # same, V's invalid rows never loaded
+    (jnp.bfloat16, 1, 128, 1, 64, None),      # half-page steps, single split
+    (jnp.float32, 1, 128, 4, 64, "load"),     # half-page steps over 4 splits, masked V load
 ])
 def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits, keys_per_step,
-                                                   v_mask, v_parts):
+                                                   v_mask):
     batch = build_batch(0, DECODE_REQS, hq=16 * hkv, hkv=hkv, d=d, dtype=dtype)
     scale = d ** -0.5
     args = batch.args()
     out, lse = sparse_decode(*args, scale=scale, interpret=INTERPRET, num_splits=num_splits,
-                             keys_per_step=keys_per_step, v_mask=v_mask, v_parts=v_parts)
+                             keys_per_step=keys_per_step, v_mask=v_mask)
     assert_matches_reference_and_oracle(batch, out, lse, sparse_decode_reference, scale, dtype)
     t = batch.q.shape[0]
     atol, lse_atol = tolerances(dtype)
@@ -243,11 +241,10 @@ def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits, ke
     chex.assert_trees_all_close(lse[rows], d_lse, atol=lse_atol, rtol=lse_atol)
 
 
-@pytest.mark.parametrize("keys_per_step,num_splits,v_mask,v_parts",
-                         [(None, None, None, None), (64, 1, "select", None),
-                          (64, 4, "load", None), (None, 1, None, 2)])
+@pytest.mark.parametrize("keys_per_step,num_splits,v_mask",
+                         [(None, None, None), (64, 1, "select"), (64, 4, "load")])
 def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_step, num_splits,
-                                                                      v_mask, v_parts):
+                                                                      v_mask):
     """The original bug: -1 (and out-of-range ids) inside the consumed range. Each edited
     token is paired with a clean twin (same q, pages and kv_len) whose selection is just the
     kept ids followed by -1: equal outputs, finite, equal to the oracle over the kept set.
@@ -271,8 +268,7 @@ def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_st
     assert batch.block_table[7, 0] == 0 and 0 not in batch.kept[7][0]  # null page is NaN
     scale = D_MODEL ** -0.5
     out, lse = sparse_decode(*batch.args(), scale=scale, interpret=INTERPRET,
-                             keys_per_step=keys_per_step, num_splits=num_splits, v_mask=v_mask,
-                             v_parts=v_parts)
+                             keys_per_step=keys_per_step, num_splits=num_splits, v_mask=v_mask)
     chex.assert_tree_all_finite(out)
     chex.assert_tree_all_finite(lse)
     atol, lse_atol = tolerances(jnp.float32)
@@ -376,16 +372,7 @@ def test_compact_slots_is_a_stable_rank_of_valid_slots():
                                       (dict(num_stages=0), "num_stages"),
                                       (dict(keys_per_step=32), "keys_per_step"),
                                       (dict(num_stages=8, keys_per_step=64), "num_stages"),
-                                      (dict(v_mask="where"), "v_mask"),
-                                      (dict(v_parts=4), "v_parts")])
+                                      (dict(v_mask="where"), "v_mask")])
 def test_bad_tunables_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         sparse_decode(**_small_args(), scale=1.0, interpret=True, **kw)
-
-
-def test_v_parts_need_sixteen_columns_each():
-    d = 16  # two V parts of 8 columns: too narrow for a Triton dot
-    args = _small_args(q=jnp.zeros((2, 16, d), jnp.float32),
-                       kv_cache=jnp.zeros((4, 1, PAGE, 2 * d), jnp.float32))
-    with pytest.raises(ValueError, match="v_parts 2 leaves D / v_parts = 8"):
-        sparse_decode(**args, scale=1.0, interpret=True, v_parts=2)
