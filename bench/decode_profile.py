@@ -5,6 +5,9 @@ Subcommands (run on the GPU machine, driven by `bench/decode_profile.sh`):
                     (V masking, stages, warps, step size, splits) at 16/1 B=128, 16/1 B=64 and
                     64/4 B=128. Writes DIR/decode_profile.json and prints a table with % of
                     copy bandwidth.
+  slope  --out DIR   decode time against pages per row (0-16 valid slots) at 16/1 and 64/4
+                    B=128, each next to a same-bytes copy; a line fit splits it into a fixed
+                    and a per-page part. Writes DIR/decode_slope.json.
   target            calls decode at 16/1 B=128 once per NCU_VARIANTS entry (for ncu) and prints
                     the kernels of the decode executable (optimised HLO).
 """
@@ -23,8 +26,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
 
-from bench.kernels import (HEAD_DIM, Shape, copy_bandwidth, make_inputs,  # noqa: E402
-                           our_indexer, time_jax)
+import jax.numpy as jnp  # noqa: E402
+
+from bench.kernels import (HEAD_DIM, TOPK, Shape, copy_bandwidth, make_inputs,  # noqa: E402
+                           our_indexer, same_traffic_copy_input, scale_copy, time_jax)
 from pallas_kernels.sparse_decode import sparse_decode  # noqa: E402
 
 SHAPES = {"16/1 B=128": Shape(16, 1, 128, 65536), "16/1 B=64": Shape(16, 1, 64, 65536),
@@ -109,6 +114,65 @@ def cmd_time(args) -> None:
             json.dump(result, f, indent=1)
 
 
+SLOPE_SHAPES = ("16/1 B=128", "64/4 B=128")
+SLOPE_PAGES = (0, 1, 2, 4, 8, 12, 16)
+
+
+def cmd_slope(args) -> None:
+    """Decode time against pages per row: the selection keeps its first n slots (the rest -1,
+    which load nothing), n in SLOPE_PAGES, next to a copy moving the same bytes. A line fitted
+    over n >= 1 splits the 16-page time into a fixed part (launch, the dependent metadata loads
+    before the first page, the output write, the flush's write-back) and a per-page part."""
+    copy = copy_bandwidth()
+    result = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
+              "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials,
+              "rows": [], "fits": []}
+    print(f"copy bandwidth {copy['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
+    copy_fn = jax.jit(scale_copy)
+    for name in SLOPE_SHAPES:
+        shape = SHAPES[name]
+        x = make_inputs(shape, args.seed)
+        sel = jax.block_until_ready(jax.jit(our_indexer)(x))
+        decode = variant_fn({})
+        slot = jnp.arange(sel.shape[-1], dtype=jnp.int32)
+        pts = []
+        for n in SLOPE_PAGES:
+            sel_n = jax.block_until_ready(jnp.where(slot < n, sel, -1))
+            nbytes = shape.decode_bytes * n // TOPK
+            dec, cp = [], []
+            for _ in range(args.trials):  # interleaved: decode, then its same-bytes copy
+                dec += time_jax(decode, (x, sel_n), reps=args.reps, trials=1)
+                if n:
+                    cp += time_jax(copy_fn, (same_traffic_copy_input(nbytes),),
+                                   reps=args.reps, trials=1)
+            us = statistics.median(dec) * 1e6
+            cp_us = statistics.median(cp) * 1e6 if cp else None
+            row = {"shape": name, "pages": n, "bytes": nbytes, "us": round(us, 2),
+                   "copy_same_bytes_us": None if cp_us is None else round(cp_us, 2),
+                   "pct_copy": round(nbytes / (us * 1e-6) / copy["copy_Bps"] * 100, 1)}
+            result["rows"].append(row)
+            if n:
+                pts.append((n, us))
+            print(f"{name:11s} {n:2d} pages {us:8.2f} us  copy {cp_us or 0:7.2f} us  "
+                  f"{row['pct_copy']:5.1f}% of copy", flush=True)
+        ns = [n for n, _ in pts]
+        mean_n, mean_t = statistics.fmean(ns), statistics.fmean(t for _, t in pts)
+        slope = (sum((n - mean_n) * (t - mean_t) for n, t in pts)
+                 / sum((n - mean_n) ** 2 for n in ns))
+        fixed = mean_t - slope * mean_n
+        page_bytes = shape.decode_bytes // TOPK
+        fit = {"shape": name, "fixed_us": round(fixed, 2), "us_per_page": round(slope, 3),
+               "per_page_pct_copy": round(page_bytes / (slope * 1e-6) / copy["copy_Bps"] * 100,
+                                          1)}
+        result["fits"].append(fit)
+        print(f"{name:11s} fit: {fixed:.2f} us fixed + {slope:.3f} us per page slot "
+              f"(the per-page part streams at {fit['per_page_pct_copy']:.1f}% of copy)",
+              flush=True)
+        del x, sel
+        with open(os.path.join(args.out, "decode_slope.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def cmd_target(args) -> None:
     """One call per NCU_VARIANTS entry at 16/1 B=128 (ncu's launch filter sees them in order),
     then the decode executable's kernels from the optimised HLO (fusions beside the kernel)."""
@@ -125,7 +189,7 @@ def cmd_target(args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("cmd", choices=("time", "target"))
+    p.add_argument("cmd", choices=("time", "slope", "target"))
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     p.add_argument("--set", choices=tuple(VARIANT_SETS), default="pipeline",
                    help="variants to time: pipeline (stages, warps, splits, V masking; second "
@@ -136,7 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    {"time": cmd_time, "target": cmd_target}[args.cmd](args)
+    {"time": cmd_time, "slope": cmd_slope, "target": cmd_target}[args.cmd](args)
     return 0
 
 
