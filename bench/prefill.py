@@ -9,7 +9,7 @@ worst case for sharing). Cold-L2 timing (`bench.kernels.time_jax`), the copy ban
 same run, and each variant's output against `sparse_decode`'s (relative L2). Writes
 OUT/prefill.json.
 
-Usage (device tool): python3 bench/prefill.py --out "$OUT"
+Usage (device tool): python3 bench/prefill.py --out "$OUT" [--sweep] [--context L --chunk C]
 """
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ PREFILL_VARIANTS = [("prefill default", {}),
                     ("prefill tq8 s3", dict(tokens_per_tile=8, num_stages=3)),
                     ("prefill tq16", dict(tokens_per_tile=16))]
 
+# --sweep: tokens per tile x pipeline depth x warps (the first run put 1 stage ahead of 2-3).
+SWEEP_VARIANTS = [(f"prefill tq{tq} s{st} w{w}", dict(tokens_per_tile=tq, num_stages=st,
+                                                      num_warps=w))
+                  for tq in (2, 4, 8) for st in (1, 2) for w in (4, 8)]
+
 
 def make_chunk(hq: int, hkv: int, context: int, chunk: int, regime: str, seed: int) -> dict:
     """bf16 caches of one request (random page permutation, page 0 the null page) and the
@@ -80,14 +85,15 @@ def union_pages(x: dict, tokens_per_tile: int) -> int:
     return int(jnp.sum(count))
 
 
-def bench_case(hq, hkv, context, chunk, regime, copy_bps, *, reps, trials, seed) -> list[dict]:
+def bench_case(hq, hkv, context, chunk, regime, copy_bps, prefill_variants, *, reps, trials,
+               seed) -> list[dict]:
     x = make_chunk(hq, hkv, context, chunk, regime, seed)
     args = (x["q"], x["kv"], x["selected"], x["block_table"], x["req_indices"], x["kv_lens"])
     scale = HEAD_DIM ** -0.5
     page_bytes = PAGE * 2 * HEAD_DIM * 2 * hkv  # one page of every KV head
     decode = jax.jit(lambda *a: sparse_decode(*a, scale=scale))
     variants = [("decode default", decode, TOPK * chunk)]  # (label, fn, pages per KV head)
-    for label, kw in PREFILL_VARIANTS:
+    for label, kw in prefill_variants:
         fn = jax.jit(lambda *a, kw=kw: sparse_prefill(*a, scale=scale, **kw))
         variants.append((label, fn, union_pages(x, kw.get("tokens_per_tile", 4)) // hkv))
     ref_out, _ = jax.block_until_ready(variants[0][1](*args))
@@ -126,17 +132,21 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", action="store_true",
+                   help="time the tokens-per-tile x stages x warps grid instead of the variants")
     args = p.parse_args(argv)
+    variants = SWEEP_VARIANTS if args.sweep else PREFILL_VARIANTS
     os.makedirs(args.out, exist_ok=True)
     copy = copy_bandwidth()
     result = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
-              "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials, "rows": []}
+              "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials,
+              "sweep": args.sweep, "rows": []}
     print(f"copy bandwidth {copy['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
     for hq, hkv in HEAD_CONFIGS:
         for regime in ("shared", "random"):
             result["rows"] += bench_case(hq, hkv, args.context, args.chunk, regime,
-                                         copy["copy_Bps"], reps=args.reps, trials=args.trials,
-                                         seed=args.seed)
+                                         copy["copy_Bps"], variants, reps=args.reps,
+                                         trials=args.trials, seed=args.seed)
             with open(os.path.join(args.out, "prefill.json"), "w") as f:
                 json.dump(result, f, indent=1)
     return 0
