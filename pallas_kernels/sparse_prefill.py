@@ -42,11 +42,18 @@ def default_num_splits(num_programs: int) -> int:
     return splits
 
 
-def default_num_stages(dtype, head_dim: int) -> int:
-    """Pipeline depth whose K+V page buffers (``stages * 128 * 2D * itemsize``) stay within
-    ~160 KiB of the H200's 227 KiB shared memory: bf16 D=128 -> 2, f32 D=128 -> 1, at most 3.
-    (Counted as ``stages`` buffers, more conservative than Triton's ``stages - 1``: a prefill
-    program's larger dots need more scratch beside them; this default was not re-measured.)"""
+def default_num_stages(dtype, head_dim: int, tile_rows: int, num_warps: int) -> int:
+    """Pipeline depth for a program of ``tile_rows`` dot rows on ``num_warps`` warps.
+
+    H200 sweep (bf16, D 128, a 2048-token chunk at 32K and 128K; bench/prefill.py): the
+    default 64-row tile (4 tokens x 16 heads) on 4 warps runs fastest unpipelined, 1 stage
+    (16/1: 287 vs 418 us with 2; 64/4: 967 vs 1490 us); 32-row tiles, and 64- or 128-row
+    tiles on 8 warps, are 2-20% faster with 2. Otherwise the stage buffers (``stages * 128 *
+    2D * itemsize``, counted more conservatively than Triton's ``stages - 1``: a prefill
+    program's larger dots need more scratch) stay within ~160 KiB: bf16 D=128 -> 2, f32 -> 1.
+    """
+    if tile_rows == 64 and num_warps == 4:
+        return 1
     page_bytes = PAGE * 2 * head_dim * jnp.dtype(dtype).itemsize
     return max(1, min(3, (160 * 1024) // page_bytes))
 
@@ -174,7 +181,8 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
     splits = default_num_splits(tiles * hkv) if num_splits is None else num_splits
     _check_tunable("num_splits", "sparse_prefill", splits, (1, 2, 4, 8, 16))
     num_warps = (4 if tq * gp <= 64 else 8) if num_warps is None else num_warps
-    num_stages = default_num_stages(q.dtype, d) if num_stages is None else num_stages
+    if num_stages is None:
+        num_stages = default_num_stages(q.dtype, d, tq * gp, num_warps)
     _check_tunable("num_warps", "sparse_prefill", num_warps, (1, 2, 4, 8, 16))
     _check_tunable("num_stages", "sparse_prefill", num_stages, (1, 2, 3, 4, 5, 6))
     check_pipeline_fits("sparse_prefill", num_stages, step_bytes(q.dtype, d))

@@ -57,9 +57,9 @@ def test_sparse_decode_tunables_lower_at_benchmark_shapes(hq, hkv, batch, kw):
 
 
 def test_default_stages_fit_shared_memory():
-    assert default_num_stages(jnp.bfloat16, 128) == 2   # prefill's default
-    assert default_num_stages(jnp.float32, 128) == 1
-    assert default_num_stages(jnp.bfloat16, 64) == 3
+    assert default_num_stages(jnp.bfloat16, 128, 32, 4) == 2   # prefill, 2-token tiles
+    assert default_num_stages(jnp.float32, 128, 32, 4) == 1
+    assert default_num_stages(jnp.bfloat16, 64, 32, 4) == 3
     for rows in (1, 16, 64, 128, 512):
         for dtype in (jnp.bfloat16, jnp.float32):
             cfg = default_decode_config(rows, dtype, D)
@@ -94,11 +94,14 @@ def test_sparse_prefill_lowers_for_h200(hq, hkv, tokens_per_tile, num_warps):
     assert [c["name"] for c in calls] == ["msa_sparse_prefill"]
     assert (calls[0]["grid_x"], calls[0]["grid_y"]) == (256 // tokens_per_tile, hkv)
     assert calls[0]["num_warps"] == num_warps
+    assert calls[0]["num_stages"] == (1 if tokens_per_tile * 16 == 64 and num_warps == 4 else 2)
 
 
 def test_sparse_prefill_stages_bounded_by_shared_memory():
     """bf16 D=128 pages are 64 KiB: 4 stages (3 buffers) fit 227 KiB, 5 do not."""
-    assert default_num_stages(jnp.bfloat16, D) == 2
+    assert default_num_stages(jnp.bfloat16, D, 64, 4) == 1  # default tile: unpipelined
+    assert default_num_stages(jnp.bfloat16, D, 128, 8) == 2
+    assert default_num_stages(jnp.float32, D, 32, 4) == 1  # one 128 KiB page buffer
     [call] = triton_calls(lower_for_cuda(sparse_prefill, *_specs(256, 16, 1), scale=1.0,
                                          num_stages=4))
     assert call["num_stages"] == 4
