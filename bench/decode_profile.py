@@ -139,12 +139,12 @@ def cmd_slope(args) -> None:
         for n in SLOPE_PAGES:
             sel_n = jax.block_until_ready(jnp.where(slot < n, sel, -1))
             nbytes = shape.decode_bytes * n // TOPK
+            copy_in = same_traffic_copy_input(nbytes) if n else None
             dec, cp = [], []
             for _ in range(args.trials):  # interleaved: decode, then its same-bytes copy
                 dec += time_jax(decode, (x, sel_n), reps=args.reps, trials=1)
                 if n:
-                    cp += time_jax(copy_fn, (same_traffic_copy_input(nbytes),),
-                                   reps=args.reps, trials=1)
+                    cp += time_jax(copy_fn, (copy_in,), reps=args.reps, trials=1)
             us = statistics.median(dec) * 1e6
             cp_us = statistics.median(cp) * 1e6 if cp else None
             row = {"shape": name, "pages": n, "bytes": nbytes, "us": round(us, 2),
@@ -155,11 +155,7 @@ def cmd_slope(args) -> None:
                 pts.append((n, us))
             print(f"{name:11s} {n:2d} pages {us:8.2f} us  copy {cp_us or 0:7.2f} us  "
                   f"{row['pct_copy']:5.1f}% of copy", flush=True)
-        ns = [n for n, _ in pts]
-        mean_n, mean_t = statistics.fmean(ns), statistics.fmean(t for _, t in pts)
-        slope = (sum((n - mean_n) * (t - mean_t) for n, t in pts)
-                 / sum((n - mean_n) ** 2 for n in ns))
-        fixed = mean_t - slope * mean_n
+        slope, fixed = statistics.linear_regression(*zip(*pts))  # least squares: us vs pages
         page_bytes = shape.decode_bytes // TOPK
         fit = {"shape": name, "fixed_us": round(fixed, 2), "us_per_page": round(slope, 3),
                "per_page_pct_copy": round(page_bytes / (slope * 1e-6) / copy["copy_Bps"] * 100,
@@ -168,7 +164,7 @@ def cmd_slope(args) -> None:
         print(f"{name:11s} fit: {fixed:.2f} us fixed + {slope:.3f} us per page slot "
               f"(the per-page part streams at {fit['per_page_pct_copy']:.1f}% of copy)",
               flush=True)
-        del x, sel
+        del x, sel, copy_in
         with open(os.path.join(args.out, "decode_slope.json"), "w") as f:
             json.dump(result, f, indent=1)
 
