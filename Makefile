@@ -31,12 +31,12 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 triton==3.6.0 'numpy<2.4'
 	touch $@
 
-$(VLLM_OPS)/MANIFEST.json: jax_msa_runner/vllm_ops.py | $(VLLM_VENV)/.installed
+$(VLLM_OPS)/MANIFEST.json: tools/vllm_compare/vllm_ops.py | $(VLLM_VENV)/.installed
 	ls $(WHEEL_CACHE)/vllm-0.33.0-*.whl >/dev/null 2>&1 || \
 	  $(VLLM_VENV)/bin/pip download -q --no-deps vllm==0.33.0 -d $(WHEEL_CACHE)
-	$(VLLM_VENV)/bin/python jax_msa_runner/vllm_ops.py --wheel $(WHEEL_CACHE) --out $(VLLM_OPS)
+	$(VLLM_VENV)/bin/python tools/vllm_compare/vllm_ops.py --wheel $(WHEEL_CACHE) --out $(VLLM_OPS)
 
 compare-env: $(VLLM_VENV)/.installed $(VLLM_OPS)/MANIFEST.json
 
 compare: install compare-env
-	$(VENV)/bin/python -m jax_msa_runner.compare --negative-control
+	$(VENV)/bin/python -m tools.vllm_compare.compare --negative-control

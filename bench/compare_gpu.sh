@@ -17,5 +17,5 @@ import jax, torch, triton
 print("jax", jax.__version__, jax.devices()[0].device_kind, "| torch", torch.__version__,
       "| triton", triton.__version__)
 PY
-python3 -m jax_msa_runner.compare --device gpu --vllm-python python3 --negative-control \
+python3 -m tools.vllm_compare.compare --device gpu --vllm-python python3 --negative-control \
   --time-iters "${TIME_ITERS:-50}" --out-dir "$out"

@@ -4,8 +4,8 @@ For each shape (Hq 16, Hkv 1, D 128, Di 128, bf16; B decode tokens, every reques
 L) it builds the per-rank caches of W = 2 ranks (interleave 128: global block g on rank
 g % W as local block g // W) and the single-device view of the same caches, stages the
 decode batch twice (dcp_world_size 1 and W) and runs
-  * one device: ``pallas_kernels.msa_attention`` (index scores -> top-16 -> sparse decode);
-  * DCP: ``jax_msa_runner.dcp_attention.dcp_msa_attention`` on the ``"dcp"`` mesh
+  * one device: ``jax_msa_runner.attention.msa`` (index scores -> top-16 -> sparse decode);
+  * DCP: ``jax_msa_runner.attention.dcp.dcp_msa_attention`` on the ``"dcp"`` mesh
     (shard_map: q all-gather, rank-local indexer, candidate all-gather, global top-16,
     rank-local sparse decode, LSE merge with pmax/psum).
 Equality (compiled kernels): selected global block ids identical, out within the bf16
@@ -46,9 +46,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jax_msa_runner.config import RunnerConfig  # noqa: E402
-from jax_msa_runner.dcp_attention import (DCP_AXIS, dcp_index_select,  # noqa: E402
+from jax_msa_runner.attention.dcp import (DCP_AXIS, dcp_index_select,  # noqa: E402
                                           dcp_msa_attention, make_dcp_mesh)
-from jax_msa_runner.staging import stage_batch  # noqa: E402
+from jax_msa_runner.batch.staging import stage_batch  # noqa: E402
 from pallas_kernels import msa_attention, msa_index_scores, sparse_topk_select  # noqa: E402
 
 PAGE = 128

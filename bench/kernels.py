@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jax_msa_runner.compare import rel_l2  # noqa: E402
+from tools.vllm_compare.compare import rel_l2  # noqa: E402
 from pallas_kernels.index_scores import msa_index_scores  # noqa: E402
 from pallas_kernels.sparse_decode import sparse_decode  # noqa: E402
 from pallas_kernels.topk_select import msa_index_select  # noqa: E402

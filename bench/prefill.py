@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.kernels import HEAD_DIM, INDEX_DIM, PAGE, TOPK, copy_bandwidth, time_jax  # noqa: E402
-from jax_msa_runner.compare import rel_l2  # noqa: E402
+from tools.vllm_compare.compare import rel_l2  # noqa: E402
 from pallas_kernels.sparse_decode import sparse_decode  # noqa: E402
 from pallas_kernels.sparse_prefill import sparse_prefill, tile_page_union  # noqa: E402
 from pallas_kernels.topk_select import msa_index_select  # noqa: E402

@@ -36,12 +36,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_msa_runner.buckets import Bucket  # noqa: E402
+from jax_msa_runner.batch.buckets import Bucket  # noqa: E402
 from jax_msa_runner.config import FP8_INDEX_CACHE_DTYPE, RunnerConfig  # noqa: E402
-from jax_msa_runner.model import (ModelConfig, default_attention_impl,  # noqa: E402
-                                  init_caches, init_params)
-from jax_msa_runner.runner import pack_step_inputs, serve_step  # noqa: E402
-from jax_msa_runner.staging import pack_host_batch  # noqa: E402
+from jax_msa_runner.attention.layer import default_attention_impl  # noqa: E402
+from jax_msa_runner.attention.parallel import init_caches  # noqa: E402
+from jax_msa_runner.config import ModelConfig  # noqa: E402
+from jax_msa_runner.model import init_params  # noqa: E402
+from jax_msa_runner.serving.runner import pack_step_inputs, serve_step  # noqa: E402
+from jax_msa_runner.batch.staging import pack_host_batch  # noqa: E402
 
 
 INDEX_CACHE_DTYPES = ("bfloat16", FP8_INDEX_CACHE_DTYPE)
@@ -75,7 +77,7 @@ def run_point(params, mconfig, batch, context, impl, mode, iters):
                            max_model_len=context, bucket_sizes=(batch,))
     bucket = Bucket(batch, batch, rconfig.max_pages)
     num_pages = 2 + batch * pages_per_req
-    caches = init_caches(mconfig, num_pages)
+    caches = init_caches(mconfig, num_pages, None)
     table = (2 + np.arange(batch * pages_per_req)).reshape(batch, pages_per_req)
     packed = pack_host_batch(np.ones(batch, np.int64), np.full(batch, context - 1), table, bucket,
                              rconfig)

@@ -17,9 +17,9 @@ import time
 
 import jax
 
-from jax_msa_runner.buckets import make_buckets
+from jax_msa_runner.batch.buckets import make_buckets
 from jax_msa_runner.config import RunnerConfig
-from jax_msa_runner.staging import (_dummy_host_arrays, pack_host_batch, stage_batch,
+from jax_msa_runner.batch.staging import (dummy_host_batch, pack_host_batch, stage_batch,
                                     stage_packed_jit)
 
 
@@ -37,7 +37,7 @@ def bench(config: RunnerConfig, repeats: int) -> list[dict]:
     """One result row per bucket: shapes, real tokens/requests and the three medians (us)."""
     rows = []
     for bucket in make_buckets(config):
-        h = _dummy_host_arrays(bucket.num_tokens, config, kind="mixed",
+        h = dummy_host_batch(bucket.num_tokens, config, kind="mixed",
                                profile_seq_len=config.max_model_len // 2)
         args = (h.num_scheduled, h.num_computed, h.block_table)
         packed = pack_host_batch(*args, bucket, config)

@@ -3,7 +3,7 @@
 - demo: the tiny default model serves a synthetic workload (jax_msa_runner.demo).
 - buckets: stages every bucket of the default RunnerConfig with each dummy kind and
   validates it (the metadata table).
-- compare: the comparison against vLLM 0.33.0's operators (jax_msa_runner.compare).
+- compare: the comparison against vLLM 0.33.0's operators (tools.vllm_compare.compare).
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ def run_buckets(args: argparse.Namespace) -> int:
     staging call of the bucket (compile included, ms), the median of ``args.repeats`` further
     stagings (us), and the validator's verdict. Returns 0 when every batch is valid.
     """
-    from jax_msa_runner.buckets import make_buckets
+    from jax_msa_runner.batch.buckets import make_buckets
     from jax_msa_runner.config import RunnerConfig
-    from jax_msa_runner.staging import DUMMY_KINDS, stage_dummy_batch
-    from jax_msa_runner.validate import MetadataInvariantError, validate_metadata
+    from jax_msa_runner.batch.staging import DUMMY_KINDS, stage_dummy_batch
+    from jax_msa_runner.batch.validate import MetadataInvariantError, validate_metadata
 
     config = RunnerConfig()
     print(f"jax {jax.__version__} on {jax.default_backend()}; {config}")
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("rest", nargs=argparse.REMAINDER)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compare"]:  # everything after the subcommand belongs to compare.py
-        from jax_msa_runner.compare import main as compare_main
+        from tools.vllm_compare.compare import main as compare_main
         return compare_main(argv[1:])
     args = parser.parse_args(argv)
     return run_demo(args) if args.command == "demo" else run_buckets(args)

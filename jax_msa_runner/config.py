@@ -1,17 +1,25 @@
-"""Static configuration: MSA attention geometry and runner limits.
+"""Static configuration: the model's shapes, the runner's limits, the scheduler's pool.
 
-Both configs are frozen dataclasses (hashable, usable as jit static arguments) and
-validate themselves at construction: an invalid combination raises ``ConfigError``
-naming the field and the bound.
+Every config is a frozen dataclass (hashable, usable as a jit static argument) and
+validates itself at construction: an invalid value raises ``ConfigError`` naming the
+field and the bound.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+from typing import Any, Mapping
 
-PAGE_SIZE = 128  # tokens per KV page == MSA sparse block == index-K page
-MSA_TOPK = 16
-DCP_INTERLEAVE = 128  # MSA requires one block per DCP interleave unit
+import jax.numpy as jnp
+
+from pallas_kernels import PAGE_SIZE, TOPK
+
+DCP_INTERLEAVE = PAGE_SIZE  # MSA requires one block per DCP interleave unit
+NULL_PAGE_ID = 0  # padded block-table entries point here; never allocated
+DUMMY_PAGE_ID = 1  # dummy (warm-up / profiling) batches write here; never allocated
+RESERVED_PAGES = (NULL_PAGE_ID, DUMMY_PAGE_ID)
 # The index-K cache dtype allowed besides the model dtype (ModelConfig.index_cache_dtype):
 # raw e4m3 values, no scale; the indexer upcasts them (half the bytes of its O(L) scan).
 FP8_INDEX_CACHE_DTYPE = "float8_e4m3fn"
@@ -21,62 +29,182 @@ class ConfigError(ValueError):
     """An invalid configuration value; the message names the field and the bound."""
 
 
-def _require(cond: bool, field: str, msg: str) -> None:
+def require(cond: bool, field: str, msg: str) -> None:
+    """Raises ``ConfigError("field: msg")`` unless ``cond``."""
     if not cond:
         raise ConfigError(f"{field}: {msg}")
 
 
 @dataclasses.dataclass(frozen=True)
-class MSAConfig:
-    """MSA attention geometry of one (per-rank) attention layer."""
+class ModelConfig:
+    """Shapes of the model (hashable: a jit static argument)."""
 
-    num_heads: int = 16  # query heads
+    vocab_size: int = 512
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 16
     num_kv_heads: int = 1
     head_dim: int = 128
-    num_index_heads: int = 1  # one index-query head per KV head
-    index_dim: int = 128
-    page_size: int = PAGE_SIZE
-    topk: int = MSA_TOPK
-    local_blocks: int = 1
+    rotary_dim: int = 64
+    rope_theta: float = 5e6
+    rms_norm_eps: float = 1e-6
+    intermediate_size: int = 512
+    num_index_heads: int = 1
+    index_dim: int = 64
+    sparse_attention_freq: tuple[int, ...] = (0, 1, 1, 1)
+    topk_blocks: int = TOPK
+    block_size: int = PAGE_SIZE
     init_blocks: int = 0
+    local_blocks: int = 1
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"
+    # index-K cache: "auto" (= dtype, the default), dtype's own name, or "float8_e4m3fn"
+    index_cache_dtype: str = "auto"
 
     def __post_init__(self):
-        _require(self.page_size == PAGE_SIZE, "page_size",
-                 f"MSA needs page_size == {PAGE_SIZE} (one page per sparse block), got {self.page_size}")
-        _require(self.topk == MSA_TOPK, "topk", f"must be {MSA_TOPK}, got {self.topk}")
-        for name in ("num_heads", "num_kv_heads", "head_dim", "num_index_heads", "index_dim"):
-            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        _require(self.num_heads % self.num_kv_heads == 0, "num_heads",
-                 f"must be a multiple of num_kv_heads={self.num_kv_heads}, got {self.num_heads}")
-        _require(self.num_index_heads == self.num_kv_heads, "num_index_heads",
-                 f"must equal num_kv_heads={self.num_kv_heads} (one index head per KV group), "
-                 f"got {self.num_index_heads}")
-        _require(self.local_blocks == 1, "local_blocks", f"must be 1, got {self.local_blocks}")
-        _require(0 <= self.init_blocks < self.topk, "init_blocks",
-                 f"must be in [0, {self.topk}), got {self.init_blocks}")
+        object.__setattr__(self, "sparse_attention_freq",
+                           tuple(int(bool(f)) for f in self.sparse_attention_freq))
+
+        require(len(self.sparse_attention_freq) == self.num_layers, "sparse_attention_freq",
+            f"needs one entry per layer ({self.num_layers}), got {len(self.sparse_attention_freq)}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "num_index_heads", "index_dim"):
+            require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        require(self.num_heads % self.num_kv_heads == 0, "num_heads",
+            f"must be a multiple of num_kv_heads={self.num_kv_heads}")
+        require(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim, "rotary_dim",
+            f"must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
+        require(self.block_size == PAGE_SIZE, "block_size", f"must be {PAGE_SIZE}, got {self.block_size}")
+        require(self.topk_blocks == TOPK, "topk_blocks", f"must be {TOPK}, got {self.topk_blocks}")
+        if any(self.sparse_attention_freq):
+            require(self.num_index_heads == self.num_kv_heads, "num_index_heads",
+                f"must equal num_kv_heads={self.num_kv_heads} (one index head per KV group)")
+            require(self.index_dim >= self.rotary_dim, "index_dim",
+                f"must be >= rotary_dim={self.rotary_dim} (index q/k share the RoPE tables)")
+        require(self.local_blocks == 1, "local_blocks", f"must be 1, got {self.local_blocks}")
+        require(0 <= self.init_blocks < self.topk_blocks, "init_blocks",
+                f"must be in [0, {self.topk_blocks}), got {self.init_blocks}")
+        require(self.dtype in ("float32", "bfloat16"), "dtype", f"float32 or bfloat16, got {self.dtype}")
+        require(self.index_cache_dtype in ("auto", self.dtype, FP8_INDEX_CACHE_DTYPE),
+            "index_cache_dtype", f"one of 'auto', {self.dtype!r} (the model dtype) or "
+            f"{FP8_INDEX_CACHE_DTYPE!r}, got {self.index_cache_dtype!r}")
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def layer_is_msa(self) -> tuple[bool, ...]:
+        return tuple(bool(f) for f in self.sparse_attention_freq)
 
     @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def index_cache_jnp_dtype(self):
+        """dtype of the index-K cache pages ("auto": the model dtype)."""
+        auto = self.index_cache_dtype == "auto"
+        return self.jnp_dtype if auto else jnp.dtype(self.index_cache_dtype)
 
     @property
     def scale(self) -> float:
         return self.head_dim ** -0.5
 
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def per_rank(self, tp: int) -> "ModelConfig":
+        """Attention shapes of one tensor-parallel rank (heads split, KV/index heads too)."""
+        if self.num_heads % tp or self.num_kv_heads % tp:
+            raise ConfigError(f"tp: {tp} must divide num_heads={self.num_heads} and "
+                              f"num_kv_heads={self.num_kv_heads}")
+        return dataclasses.replace(self, num_heads=self.num_heads // tp,
+                                   num_kv_heads=self.num_kv_heads // tp,
+                                   num_index_heads=self.num_index_heads // tp)
+
+    # ---- constructors ----------------------------------------------------------------------
     @classmethod
-    def minimax_m3(cls) -> "MSAConfig":
-        """MiniMax-M3, all heads (64 q / 4 kv, group 16)."""
-        return cls(num_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, index_dim=128)
+    def tiny(cls, **overrides) -> "ModelConfig":
+        """Built-in small default: 4 layers (1 dense + 3 MSA), 16 q / 1 kv heads of dim 128,
+        index dim 64 (the released model: 128; smaller keeps the CPU demo quick)."""
+        return dataclasses.replace(cls(), **overrides)
 
     @classmethod
-    def minimax_m3_tp4(cls) -> "MSAConfig":
-        """MiniMax-M3 per tensor-parallel rank at TP4 (16 q / 1 kv)."""
-        return cls(num_heads=16, num_kv_heads=1, head_dim=128, num_index_heads=1, index_dim=128)
+    def from_hf_config(cls, path_or_dict: str | os.PathLike | Mapping[str, Any], *,
+                       num_layers: int | None = None, dtype: str = "bfloat16") -> "ModelConfig":
+        """Build from a MiniMax-M3-style ``config.json`` (a path, its directory, or a dict).
 
-    @classmethod
-    def tiny(cls) -> "MSAConfig":
-        """The built-in small default (one KV group of 16 heads, small index dim)."""
-        return cls(num_heads=16, num_kv_heads=1, head_dim=128, num_index_heads=1, index_dim=32)
+        Reads the released field names: ``hidden_size``, ``num_hidden_layers``,
+        ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``rotary_dim``,
+        ``rope_theta`` (or ``rope_parameters.rope_theta``), ``rms_norm_eps``, ``vocab_size``,
+        ``dense_intermediate_size`` (else ``intermediate_size``), ``swiglu_alpha``,
+        ``swiglu_limit``, ``tie_word_embeddings`` and ``sparse_attention_config`` with
+        ``sparse_attention_freq``, ``sparse_num_index_heads``, ``sparse_index_dim``,
+        ``sparse_block_size``, ``sparse_topk_blocks``, ``sparse_init_block``,
+        ``sparse_local_block``, ``sparse_score_type``. A VL config's ``text_config`` is used.
+        ``num_layers`` truncates the stack (keeping the freq pattern of the first layers).
+        """
+        if isinstance(path_or_dict, Mapping):
+            cfg = dict(path_or_dict)
+        else:
+            path = os.fspath(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                cfg = json.load(f)
+        if isinstance(cfg.get("text_config"), Mapping):
+            cfg = dict(cfg["text_config"])
+        sparse = dict(cfg.get("sparse_attention_config") or {})
+        for key in ("sparse_attention_freq", "sparse_num_index_heads", "sparse_index_dim",
+                    "sparse_block_size", "sparse_topk_blocks", "sparse_init_block",
+                    "sparse_local_block", "sparse_score_type"):
+            if key not in sparse and key in cfg:  # tolerate flat layouts
+                sparse[key] = cfg[key]
+
+        def need(d, key):
+            if key not in d:
+                raise ConfigError(f"{key}: missing from the MiniMax-M3 config")
+            return d[key]
+
+        n_layers = int(need(cfg, "num_hidden_layers"))
+        freq = tuple(int(bool(f)) for f in sparse.get("sparse_attention_freq", [0] * n_layers))
+        if sparse.get("use_sparse_attention") is False:
+            freq = (0,) * n_layers
+        if sparse.get("sparse_score_type", "max") != "max":
+            raise ConfigError(f"sparse_score_type: only 'max' is supported, got "
+                              f"{sparse['sparse_score_type']!r}")
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        if num_layers is not None:
+            n_layers, freq = int(num_layers), freq[:int(num_layers)]
+        return cls(
+            vocab_size=int(need(cfg, "vocab_size")),
+            hidden_size=int(need(cfg, "hidden_size")),
+            num_layers=n_layers,
+            num_heads=int(need(cfg, "num_attention_heads")),
+            num_kv_heads=int(need(cfg, "num_key_value_heads")),
+            head_dim=head_dim,
+            rotary_dim=int(cfg.get("rotary_dim", head_dim // 2)),
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            intermediate_size=int(cfg.get("dense_intermediate_size") or need(cfg, "intermediate_size")),
+            num_index_heads=int(sparse.get("sparse_num_index_heads", cfg["num_key_value_heads"])),
+            index_dim=int(sparse.get("sparse_index_dim", 128)),
+            sparse_attention_freq=freq,
+            topk_blocks=int(sparse.get("sparse_topk_blocks", TOPK)),
+            block_size=int(sparse.get("sparse_block_size", PAGE_SIZE)),
+            init_blocks=int(sparse.get("sparse_init_block", 0)),
+            local_blocks=int(sparse.get("sparse_local_block", 1)),
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            dtype=dtype,
+        )
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,32 +222,32 @@ class RunnerConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "bucket_sizes", tuple(sorted(set(int(b) for b in self.bucket_sizes))))
-        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+        require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")
-        _require(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
-        _require(self.num_spec_tokens >= 0, "num_spec_tokens",
+        require(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
+        require(self.num_spec_tokens >= 0, "num_spec_tokens",
                  f"must be >= 0, got {self.num_spec_tokens}")
-        _require(self.page_size == PAGE_SIZE, "page_size",
+        require(self.page_size == PAGE_SIZE, "page_size",
                  f"MSA needs page_size == {PAGE_SIZE}, got {self.page_size}")
-        _require(len(self.bucket_sizes) > 0, "bucket_sizes", "must not be empty")
-        _require(self.bucket_sizes[0] >= 1, "bucket_sizes",
+        require(len(self.bucket_sizes) > 0, "bucket_sizes", "must not be empty")
+        require(self.bucket_sizes[0] >= 1, "bucket_sizes",
                  f"every bucket must be >= 1, got {self.bucket_sizes[0]}")
-        _require(self.bucket_sizes[-1] <= self.max_num_batched_tokens, "bucket_sizes",
+        require(self.bucket_sizes[-1] <= self.max_num_batched_tokens, "bucket_sizes",
                  f"bucket {self.bucket_sizes[-1]} is larger than "
                  f"max_num_batched_tokens={self.max_num_batched_tokens}")
-        _require(self.dcp_world_size >= 1, "dcp_world_size",
+        require(self.dcp_world_size >= 1, "dcp_world_size",
                  f"must be >= 1, got {self.dcp_world_size}")
-        _require(self.dcp_interleave == DCP_INTERLEAVE, "dcp_interleave",
+        require(self.dcp_interleave == DCP_INTERLEAVE, "dcp_interleave",
                  f"MSA needs dcp_interleave == {DCP_INTERLEAVE} (one block per unit), "
                  f"got {self.dcp_interleave}")
-        _require(self.dcp_world_size == 1
+        require(self.dcp_world_size == 1
                  or self.max_model_len > self.dcp_world_size * self.dcp_interleave,
                  "max_model_len",
                  f"must exceed the DCP dummy context dcp_world_size * dcp_interleave = "
                  f"{self.dcp_world_size * self.dcp_interleave} (context plus one query token), "
                  f"got {self.max_model_len}")
-        _require(1 + self.num_spec_tokens <= self.max_num_batched_tokens, "num_spec_tokens",
+        require(1 + self.num_spec_tokens <= self.max_num_batched_tokens, "num_spec_tokens",
                  f"decode length 1 + {self.num_spec_tokens} exceeds max_num_batched_tokens="
                  f"{self.max_num_batched_tokens}")
 
@@ -141,3 +269,29 @@ class RunnerConfig:
         width covers every row of every batch.
         """
         return math.ceil(self.max_model_len / self.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits: a RunnerConfig's plus the KV pool (``from_runner``)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int  # token budget of one step (<= the largest bucket)
+    max_model_len: int
+    num_pages: int  # physical pages incl. the reserved ones (per rank under DCP)
+    dcp_world_size: int = 1  # W ranks: requests hold ceil(L / (PAGE_SIZE * W)) rank-local pages
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "dcp_world_size"):
+            require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        require(self.num_pages > len(RESERVED_PAGES), "num_pages",
+                f"need the reserved pages {RESERVED_PAGES} plus at least one page, "
+                f"got {self.num_pages}")
+
+    @classmethod
+    def from_runner(cls, rconfig: RunnerConfig, num_pages: int) -> "SchedulerConfig":
+        """The scheduler of a runner built from ``rconfig`` with ``num_pages`` pages (per rank)."""
+        return cls(max_num_seqs=rconfig.max_num_seqs,
+                   max_num_batched_tokens=rconfig.max_num_batched_tokens,
+                   max_model_len=rconfig.max_model_len, num_pages=num_pages,
+                   dcp_world_size=rconfig.dcp_world_size)

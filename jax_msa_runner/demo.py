@@ -21,13 +21,13 @@ import sys
 
 import numpy as np
 
-from jax_msa_runner.config import FP8_INDEX_CACHE_DTYPE, RunnerConfig
-from jax_msa_runner.dcp_attention import DCPError
-from jax_msa_runner.kv_cache import RESERVED_PAGES, pages_needed
-from jax_msa_runner.model import ModelConfig
-from jax_msa_runner.runner import ModelRunner, serve
-from jax_msa_runner.scheduler import Request, Scheduler, SchedulerConfig
-from jax_msa_runner.validate import MetadataInvariantError
+from jax_msa_runner.config import (FP8_INDEX_CACHE_DTYPE, RESERVED_PAGES, ModelConfig, RunnerConfig,
+                                   SchedulerConfig)
+from jax_msa_runner.attention.dcp import DCPError
+from jax_msa_runner.serving.kv_cache import pages_needed
+from jax_msa_runner.serving.runner import ModelRunner, serve
+from jax_msa_runner.serving.scheduler import Request, Scheduler
+from jax_msa_runner.batch.validate import MetadataInvariantError
 
 
 def add_demo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -130,9 +130,7 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{rep.profile_seconds * 1e3:.0f} ms, peak device memory {peak}, step temp "
           f"{(rep.step_temp_bytes or 0) / 2**20:.1f} MiB, caches {rep.cache_bytes / 2**20:.1f} MiB")
 
-    sched = Scheduler(SchedulerConfig(max_num_seqs=rc.max_num_seqs, max_num_batched_tokens=budget,
-                                      max_model_len=rc.max_model_len, num_pages=num_pages,
-                                      dcp_world_size=W))
+    sched = Scheduler(SchedulerConfig.from_runner(rc, num_pages))
     for r in reqs:
         sched.add_request(r)
     total = len(reqs)

@@ -1,5 +1,9 @@
-"""Small shape helpers shared by the kernels (Triton needs power-of-two block sizes)."""
+"""The kernels' shared constants and small shape helpers (Triton needs power-of-two blocks)."""
 from jax.experimental import pallas as pl
+
+PAGE_SIZE = 128  # tokens per KV page == MSA sparse block == index-K page
+TOPK = 16  # pages selected per (token, KV head)
+MIN_DOT = 16  # Triton dots need M, N, K >= 16
 
 NUM_SMS_H200 = 132  # streaming multiprocessors of an H200: grids are sized to fill them
 

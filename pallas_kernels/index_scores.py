@@ -42,10 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._shapes import NUM_SMS_H200, is_pow2, next_pow2, whole_block
+from pallas_kernels._shapes import MIN_DOT, NUM_SMS_H200, PAGE_SIZE, is_pow2, next_pow2, whole_block
 
-PAGE_SIZE = 128
-_MIN_DOT = 16  # Triton dot: M, N, K >= 16
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 FP8_INDEX_K_DTYPE = jnp.dtype(jnp.float8_e4m3fn)  # the one index-K dtype besides index_q's
 _F16_MAX = float(jnp.finfo(jnp.float16).max)
@@ -82,8 +80,8 @@ def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> No
     if index_k_cache.shape[2] != di:
         raise ValueError(f"index_k_cache: last dim must equal index_q's Di={di}, "
                          f"got {index_k_cache.shape[2]}")
-    if not is_pow2(di) or di < _MIN_DOT:
-        raise ValueError(f"index_q: Di must be a power of two >= {_MIN_DOT}, got {di}")
+    if not is_pow2(di) or di < MIN_DOT:
+        raise ValueError(f"index_q: Di must be a power of two >= {MIN_DOT}, got {di}")
     if h < 1:
         raise ValueError(f"index_q: needs H >= 1 index heads, got {h}")
     if jnp.dtype(index_q.dtype) not in _SUPPORTED_DTYPES:
@@ -194,7 +192,7 @@ def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
     if num_stages < 1:
         raise ValueError(f"num_stages: must be >= 1, got {num_stages}")
     hs = next_pow2(h)
-    rows = max(_MIN_DOT, hs)
+    rows = max(MIN_DOT, hs)
     num_chunks = pl.cdiv(p, ppp)
     if hs != h:
         index_q = jnp.pad(index_q, ((0, 0), (0, hs - h), (0, 0)))

@@ -30,11 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._shapes import NUM_SMS_H200, next_pow2, whole_block
+from pallas_kernels._shapes import MIN_DOT, NUM_SMS_H200, PAGE_SIZE, TOPK, next_pow2, whole_block
 
-PAGE = 128  # tokens per KV page == MSA sparse block
-TOPK = 16  # selection slots per (token, KV head)
-MIN_DOT = 16  # Triton dots need M, N, K >= 16
 MAX_GROUP_ROWS = 128  # padded GQA group rows of one program (register budget)
 FILL_PROGRAMS = 256  # below ONE_SPLIT_ROWS: smallest splits with T * Hkv * splits >= this
 ONE_SPLIT_ROWS = 64  # T * Hkv at and above which one split (no merge) is the default
@@ -53,7 +50,7 @@ def padded_group(num_q_heads: int, num_kv_heads: int) -> int:
     return max(MIN_DOT, next_pow2(num_q_heads // num_kv_heads))
 
 
-def step_bytes(dtype, head_dim: int, keys_per_step: int = PAGE) -> int:
+def step_bytes(dtype, head_dim: int, keys_per_step: int = PAGE_SIZE) -> int:
     """Shared-memory bytes of one pipeline stage: K and V, ``[keys_per_step, D]`` each."""
     return keys_per_step * 2 * head_dim * jnp.dtype(dtype).itemsize
 
@@ -95,8 +92,8 @@ def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
         while splits < TOPK and num_rows * splits < FILL_PROGRAMS:
             splits *= 2
     stages = 3 if num_rows * splits <= NUM_SMS_H200 else 2
-    stages = min(stages, max_stages(step_bytes(dtype, head_dim, PAGE)))
-    return dict(num_splits=splits, num_warps=4, num_stages=stages, keys_per_step=PAGE,
+    stages = min(stages, max_stages(step_bytes(dtype, head_dim, PAGE_SIZE)))
+    return dict(num_splits=splits, num_warps=4, num_stages=stages, keys_per_step=PAGE_SIZE,
                 v_mask="select")
 
 
@@ -111,9 +108,9 @@ def validate_inputs(q, kv_cache, selected, block_table, req_indices, kv_lens, *,
 
     need(q.ndim == 3, f"q must be [T, Hq, D], got shape {q.shape}")
     t, hq, d = q.shape
-    need(kv_cache.ndim == 4, f"kv_cache must be [N, Hkv, {PAGE}, 2*D], got shape {kv_cache.shape}")
+    need(kv_cache.ndim == 4, f"kv_cache must be [N, Hkv, {PAGE_SIZE}, 2*D], got shape {kv_cache.shape}")
     n, hkv, page, two_d = kv_cache.shape
-    need(page == PAGE, f"kv_cache page size (axis 2) must be {PAGE}, got {page}")
+    need(page == PAGE_SIZE, f"kv_cache page size (axis 2) must be {PAGE_SIZE}, got {page}")
     need(d >= MIN_DOT and d & (d - 1) == 0,
          f"head dim D = q.shape[2] must be a power of two >= {MIN_DOT}, got {d}")
     need(two_d == 2 * d, f"kv_cache last axis must be 2*D = {2 * d} (K then V), got {two_d}")
@@ -154,7 +151,7 @@ def consumed_slots(selected, kv_lens, num_cols):
     ``num_cols`` -> bool ``[..., 16]``, true for a consumed slot (``slot < n_use``) holding a
     block id in ``[0, min(ceil(kv_len/128), num_cols))``. Plain jnp: the reference and both
     kernels use it."""
-    n_blocks = (jnp.maximum(kv_lens, 0) + PAGE - 1) // PAGE
+    n_blocks = (jnp.maximum(kv_lens, 0) + PAGE_SIZE - 1) // PAGE_SIZE
     n_use = jnp.minimum(n_blocks, TOPK)
     slot = jnp.arange(TOPK, dtype=jnp.int32)
     bound = jnp.minimum(n_blocks, num_cols)
@@ -184,7 +181,7 @@ def sparse_decode_reference(q, kv_cache, selected, block_table, req_indices, kv_
     pages = kv_cache[page, jnp.arange(hkv)[None, :, None]]              # [T,Hkv,16,128,2D]
     k = pages[..., :d].astype(jnp.float32)
     v = pages[..., d:].astype(jnp.float32)
-    pos = blk[..., None] * PAGE + jnp.arange(PAGE, dtype=jnp.int32)     # [T,Hkv,16,128]
+    pos = blk[..., None] * PAGE_SIZE + jnp.arange(PAGE_SIZE, dtype=jnp.int32)     # [T,Hkv,16,128]
     valid = ok[..., None] & (pos < kv_lens[:, None, None, None])
     qg = q.reshape(t, hkv, g, d).astype(jnp.float32)
     s = jnp.einsum("thgd,thskd->thgsk", qg, k, precision="highest") * scale
@@ -293,7 +290,7 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
     chunk = (n_valid + num_splits - 1) // num_splits
     first = split * chunk
     n_slots = jnp.clip(n_valid - first, 0, chunk)
-    steps_per_slot = PAGE // keys_per_step
+    steps_per_slot = PAGE_SIZE // keys_per_step
     keys = jnp.arange(keys_per_step, dtype=jnp.int32)
 
     def body(i, carry):
@@ -306,7 +303,7 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
         page = jnp.sum(jnp.where(pick, page_vec, 0))
         blk = jnp.sum(jnp.where(pick, blk_vec, 0))
         hit = jnp.sum(pick.astype(jnp.int32)) > 0         # always true: no step past n_valid
-        key_ok = hit & (blk * PAGE + start + keys < kv_len)          # [K]: all rows alike
+        key_ok = hit & (blk * PAGE_SIZE + start + keys < kv_len)          # [K]: all rows alike
         k = kv_ref[page, h, pl.ds(start, keys_per_step), pl.ds(0, head_dim)]
         v_at = kv_ref.at[page, h, pl.ds(start, keys_per_step), pl.ds(head_dim, head_dim)]
         if v_mask == "load":  # invalid rows never loaded (zero-filled): V streams to the dot
@@ -412,4 +409,4 @@ __all__ = ["sparse_decode", "sparse_decode_reference", "consumed_slots", "saniti
            "merge_splits", "check_pipeline_fits",
            "online_softmax_step", "finalize", "validate_inputs", "padded_group",
            "default_decode_config", "step_bytes",
-           "compact_slots", "pipeline_smem_bytes", "max_stages", "PAGE", "TOPK", "KEYS_PER_STEP"]
+           "compact_slots", "pipeline_smem_bytes", "max_stages", "PAGE_SIZE", "TOPK", "KEYS_PER_STEP"]

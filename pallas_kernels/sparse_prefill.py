@@ -24,9 +24,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._shapes import NUM_SMS_H200, whole_block
+from pallas_kernels._shapes import NUM_SMS_H200, PAGE_SIZE, TOPK, whole_block
 from pallas_kernels.sparse_decode import (
-    LOG2E, MASK, PAGE, TOPK, _check_tunable, check_pipeline_fits, consumed_slots, finalize,
+    LOG2E, MASK, _check_tunable, check_pipeline_fits, consumed_slots, finalize,
     merge_splits, online_softmax_step, padded_group, sanitize_selection, step_bytes,
     sparse_decode_reference, validate_inputs)
 
@@ -54,7 +54,7 @@ def default_num_stages(dtype, head_dim: int, tile_rows: int, num_warps: int) -> 
     """
     if tile_rows == 64 and num_warps == 4:
         return 1
-    page_bytes = PAGE * 2 * head_dim * jnp.dtype(dtype).itemsize
+    page_bytes = PAGE_SIZE * 2 * head_dim * jnp.dtype(dtype).itemsize
     return max(1, min(3, (160 * 1024) // page_bytes))
 
 
@@ -114,7 +114,7 @@ def _prefill_kernel(row_ref, len_ref, cnt_ref, bt_ref, sel_ref, union_ref, q_ref
     row_tok = jnp.arange(rows, dtype=jnp.int32) // group_rows
     onehot = row_tok[:, None] == jnp.arange(tq, dtype=jnp.int32)[None, :]
     row_len = jnp.sum(jnp.where(onehot, tok_len[None, :], 0), axis=1)    # [rows]
-    keys = jnp.arange(PAGE, dtype=jnp.int32)
+    keys = jnp.arange(PAGE_SIZE, dtype=jnp.int32)
     q = q_ref[...]                                                        # [rows, D]
     # The whole union at once, outside the loop: clamp, then one gather of its page ids.
     ukey = jnp.clip(union_ref[...], 0, num_rows * num_cols - 1)         # [TQ*16]
@@ -133,7 +133,7 @@ def _prefill_kernel(row_ref, len_ref, cnt_ref, bt_ref, sel_ref, union_ref, q_ref
         hits = jnp.sum((sel == blk).astype(jnp.int32), axis=1)           # [TQ]
         hits = jnp.where(tok_row == row, hits, 0)
         row_hits = jnp.sum(jnp.where(onehot, hits[None, :], 0), axis=1)  # [rows]
-        key_ok = (row_hits[:, None] > 0) & (blk * PAGE + keys[None, :] < row_len[:, None])
+        key_ok = (row_hits[:, None] > 0) & (blk * PAGE_SIZE + keys[None, :] < row_len[:, None])
         return online_softmax_step(carry, q, k, v, key_ok, scale_log2,
                                    row_weight=row_hits.astype(jnp.float32))
 

@@ -30,9 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._shapes import is_pow2, next_pow2
-from pallas_kernels.index_scores import (PAGE_SIZE, msa_index_scores,
-                                         msa_index_scores_reference)
+from pallas_kernels._shapes import PAGE_SIZE, TOPK, is_pow2, next_pow2
+from pallas_kernels.index_scores import msa_index_scores, msa_index_scores_reference
 
 
 def _validate(scores, num_valid_pages, topk, local_blocks, init_blocks) -> None:
@@ -132,7 +131,7 @@ def _select_call(scores, counts, *, topk: int, local_blocks: int, init_blocks: i
 
 @functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks",
                                              "interpret", "num_warps"))
-def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: int = 16,
+def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: int = TOPK,
                        local_blocks: int = 1, init_blocks: int = 0, interpret: bool = False,
                        num_warps: int = 4) -> jax.Array:
     """Selected block ids [T, H, topk] int32 (see module docstring), Pallas Triton kernel.
@@ -147,7 +146,7 @@ def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: i
 
 @functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks"))
 def sparse_topk_select_reference(scores: jax.Array, num_valid_pages: jax.Array, *,
-                                 topk: int = 16, local_blocks: int = 1,
+                                 topk: int = TOPK, local_blocks: int = 1,
                                  init_blocks: int = 0) -> jax.Array:
     """Pure jnp reference of `sparse_topk_select` (lax.top_k + sort)."""
     _validate(scores, num_valid_pages, topk, local_blocks, init_blocks)

@@ -1,18 +1,17 @@
-"""Shared test settings: interpret mode off the GPU, hypothesis profiles sized for CI."""
+"""Shared test settings: host devices for the DCP tests, hypothesis profiles sized for CI.
+
+Only known warnings are filtered, each narrowly, in pyproject.toml's ``filterwarnings``.
+"""
 import os
-import warnings
+import sys
 
 # Several host CPU devices for the DCP (shard_map) tests; must be set before jax initialises.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
-import jax  # noqa: E402
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, settings  # noqa: E402
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
-
-# Pallas kernels run compiled on a GPU and in interpret mode everywhere else (CI is CPU-only).
-INTERPRET = jax.default_backend() != "gpu"
+sys.path.insert(0, os.path.dirname(__file__))  # tests/_helpers.py for every test package
 
 settings.register_profile(
     "ci", max_examples=300, deadline=None, derandomize=False,

@@ -1,7 +1,7 @@
 """Config validation: invalid combinations fail at construction, naming the field."""
 import pytest
 
-from jax_msa_runner.config import ConfigError, MSAConfig, RunnerConfig
+from jax_msa_runner.config import ConfigError, ModelConfig, RunnerConfig, SchedulerConfig
 
 
 def test_defaults_are_valid_and_hashable():
@@ -10,10 +10,11 @@ def test_defaults_are_valid_and_hashable():
     assert cfg.max_pages == 64 and cfg.uniform_decode_len == 1 and cfg.dcp_dummy_context_len == 0
     assert RunnerConfig(bucket_sizes=(8, 2, 8)).bucket_sizes == (2, 8)
     assert RunnerConfig(dcp_world_size=4).dcp_dummy_context_len == 512
-    m3 = MSAConfig.minimax_m3()
-    assert (m3.num_heads, m3.num_kv_heads, m3.group_size, m3.page_size, m3.topk) == (64, 4, 16, 128, 16)
-    assert MSAConfig.minimax_m3_tp4().group_size == 16
-    assert MSAConfig.tiny().index_dim == 32
+    tiny = ModelConfig.tiny()
+    assert hash(tiny) == hash(ModelConfig.tiny()) and tiny.group_size == 16
+    sc = SchedulerConfig.from_runner(RunnerConfig(dcp_world_size=2), num_pages=10)
+    assert (sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len, sc.num_pages,
+            sc.dcp_world_size) == (8, 64, 8192, 10, 2)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -38,14 +39,25 @@ def test_runner_config_errors_name_the_field(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(page_size=256), r"^page_size: MSA needs page_size == 128"),
-    (dict(topk=8), r"^topk: must be 16, got 8"),
+    (dict(block_size=256), r"^block_size: must be 128"),
+    (dict(topk_blocks=8), r"^topk_blocks: must be 16, got 8"),
     (dict(num_heads=0), r"^num_heads: must be >= 1"),
     (dict(num_heads=10, num_kv_heads=4, num_index_heads=4), r"^num_heads: must be a multiple"),
     (dict(num_index_heads=2), r"^num_index_heads: must equal num_kv_heads=1"),
     (dict(local_blocks=2), r"^local_blocks: must be 1"),
     (dict(init_blocks=16), r"^init_blocks: must be in \[0, 16\)"),
 ])
-def test_msa_config_errors_name_the_field(kwargs, match):
+def test_model_config_errors_name_the_field(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        MSAConfig(**kwargs)
+        ModelConfig.tiny(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_pages=2), r"^num_pages: need the reserved pages"),
+    (dict(max_num_seqs=0), r"^max_num_seqs: must be >= 1, got 0"),
+    (dict(dcp_world_size=0), r"^dcp_world_size: must be >= 1, got 0"),
+])
+def test_scheduler_config_errors_name_the_field(kwargs, match):
+    base = dict(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, num_pages=8)
+    with pytest.raises(ConfigError, match=match):
+        SchedulerConfig(**{**base, **kwargs})

@@ -10,11 +10,12 @@ import numpy.testing as npt
 import pytest
 
 from jax_msa_runner.config import ConfigError, RunnerConfig
-from jax_msa_runner.dense_attention import paged_causal_attention
-from jax_msa_runner.model import (ModelConfig, apply_partial_rope, compute_logits, forward,
-                                  gemma_rms_norm, init_caches, init_params, rope_tables,
-                                  swigluoai)
-from jax_msa_runner.staging import stage_batch
+from jax_msa_runner.attention.dense import paged_causal_attention
+from jax_msa_runner.attention.parallel import init_caches
+from jax_msa_runner.config import ModelConfig
+from jax_msa_runner.model import (apply_partial_rope, compute_logits, forward, gemma_rms_norm,
+                                  init_params, rope_tables, swigluoai)
+from jax_msa_runner.batch.staging import stage_batch
 
 # MiniMax-M3 text config with the released field names (values from the public model card).
 M3_CONFIG = {
@@ -82,7 +83,7 @@ def test_from_hf_config_true_shapes(tmp_path):
     assert c.sparse_attention_freq[:4] == (0, 0, 0, 1) and sum(c.layer_is_msa) == 57
     assert (c.num_index_heads, c.index_dim, c.rotary_dim, c.rope_theta) == (4, 128, 64, 5e6)
     assert c.intermediate_size == 12288 and c.vocab_size == 200064
-    assert c.msa_config().group_size == 16
+    assert c.group_size == 16
     r = c.per_rank(4)
     assert (r.num_heads, r.num_kv_heads, r.num_index_heads) == (16, 1, 1)
     # the same model at its true shapes, without allocating it
@@ -118,7 +119,7 @@ def test_index_cache_dtype_values():
         for name, want in (("auto", dtype), (dtype, dtype), ("float8_e4m3fn", "float8_e4m3fn")):
             c = ModelConfig.tiny(dtype=dtype, index_cache_dtype=name)
             assert c.index_cache_jnp_dtype == jnp.dtype(want)
-            caches = jax.eval_shape(lambda: init_caches(c, num_pages=4))
+            caches = jax.eval_shape(lambda: init_caches(c, 4, None))
             assert {x.dtype for x in caches.kv} == {jnp.dtype(dtype)}
             assert [x is None for x in caches.index_k] == [not m for m in c.layer_is_msa]
             assert {x.dtype for x in caches.index_k if x is not None} == {jnp.dtype(want)}
@@ -157,7 +158,7 @@ def test_paged_attention_matches_naive():
 def _prefill_logits(params, config, rconfig, prompts, chunk, mode, return_caches=False):
     """Chunked prefill of all prompts together; returns per-prompt logits [len, V] (and the
     final caches and per-prompt pages if ``return_caches``)."""
-    caches = init_caches(config, num_pages=2 + sum(-(-len(p) // 128) for p in prompts))
+    caches = init_caches(config, 2 + sum(-(-len(p) // 128) for p in prompts), None)
     pages, nxt = [], 2
     for p in prompts:
         n = -(-len(p) // 128)
@@ -240,7 +241,7 @@ def test_fp8_index_cache_msa_logits_equal_dense_below_2048():
 
 def test_msa_layer_attention_sparse_beyond_2048():
     """Past 16 pages the selection drops pages: MSA != dense; before, MSA == dense."""
-    from jax_msa_runner.model import msa_layer_attention
+    from jax_msa_runner.attention.layer import msa_layer_attention
     rng = np.random.default_rng(0)
     T, Hq, D, Di, P = 4, 16, 128, 64, 20
     rconfig = RunnerConfig(max_num_seqs=2, max_num_batched_tokens=4, max_model_len=P * 128,

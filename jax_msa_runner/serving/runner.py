@@ -1,0 +1,276 @@
+"""The model runner: one compiled step per bucket, warm-up through dummy batches, serving.
+
+A step takes ONE int32 host buffer per call (``[packed metadata | token ids | seeds |
+sample index | temperature bits]``), stages the ``BatchMetadata`` on the device with
+``stage_packed`` inside the compiled step, runs the model (writing the caches in place:
+the cache pytree is donated), and samples one token per request row (greedy at
+temperature 0, else categorical with key ``fold_in(key(seed), output_index)``).
+
+Start-up (``warm_up``) compiles every bucket ahead of time on the inputs of a
+``stage_dummy_batch`` dummy batch and runs it (the analogue of CUDA-graph capture), then
+runs a profiling pass at the largest bucket (mixed dummy batch, every row at
+max_model_len) and reports peak memory. Serving calls only those compiled executables, so
+it cannot compile; ``compile_count.CompileCounter`` (a ``jax.monitoring`` listener on XLA backend
+compiles, process-wide) proves it.
+
+Where the arrays live (one device, or a decode-context-parallel mesh with per-rank caches
+of ``num_pages`` pages each) is ``attention.parallel``'s business; the runner passes its
+``mesh`` (None on one device) through.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jax_msa_runner.attention.layer import check_attention_impl, default_attention_impl
+from jax_msa_runner.attention.paged_cache import KVCaches
+from jax_msa_runner.attention.parallel import init_caches, per_rank_step, replicate, step_mesh
+from jax_msa_runner.batch.buckets import Bucket, make_buckets, select_bucket
+from jax_msa_runner.batch.metadata import BatchMetadata
+from jax_msa_runner.batch.staging import (dummy_host_batch, pack_host_batch, packed_size,
+                                          stage_packed)
+from jax_msa_runner.batch.validate import validate_metadata
+from jax_msa_runner.config import ModelConfig, RunnerConfig
+from jax_msa_runner.model import compute_logits, forward, init_params
+from jax_msa_runner.serving.compile_count import CompileCounter
+from jax_msa_runner.serving.scheduler import ScheduledBatch, Scheduler
+
+# ---- the step --------------------------------------------------------------------------------
+
+def host_buffer_size(bucket: Bucket) -> int:
+    """int32 entries of a step's host buffer: packed metadata + T tokens + 3R sampling."""
+    return packed_size(bucket) + bucket.num_tokens + 3 * bucket.num_reqs
+
+
+def pack_step_inputs(packed: np.ndarray, token_ids: np.ndarray, seeds: np.ndarray,
+                     sample_index: np.ndarray, temperature: np.ndarray, bucket: Bucket) -> np.ndarray:
+    """One int32 buffer [host_buffer_size(bucket)] (rows/tokens zero-padded to the bucket)."""
+    T, R = bucket.num_tokens, bucket.num_reqs
+
+    def pad(a, n, dtype):
+        out = np.zeros((n,), dtype)
+        out[:len(a)] = a
+        return out
+
+    temp_bits = pad(np.asarray(temperature, np.float32), R, np.float32).view(np.int32)
+    return np.concatenate([packed.astype(np.int32), pad(token_ids, T, np.int32),
+                           pad(seeds, R, np.int32), pad(sample_index, R, np.int32), temp_bits])
+
+
+def sample_tokens(logits: jax.Array, temperature: jax.Array, seeds: jax.Array,
+                  sample_index: jax.Array) -> jax.Array:
+    """logits [R, V] f32 -> int32 [R]: argmax where temperature == 0, else a categorical draw
+    with key fold_in(key(seed), sample_index) (independent of batch composition)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(lg, t, s, i):
+        key = jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), i)
+        return jax.random.categorical(key, lg / jnp.maximum(t, 1e-6)).astype(jnp.int32)
+
+    drawn = jax.vmap(draw)(logits, temperature, seeds, sample_index)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+def _step_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
+               rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str, interpret: bool,
+               attention_mode: str) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
+    """One step on one device or one DCP rank (caches: the rank's own, leaves [N, ...])."""
+    R, T = bucket.num_reqs, bucket.num_tokens
+    o = packed_size(bucket)
+    md = stage_packed(host_buf[:o], bucket, rconfig)
+    tokens = host_buf[o:o + T]
+    seeds = host_buf[o + T:o + T + R]
+    sample_index = host_buf[o + T + R:o + T + 2 * R]
+    temperature = jax.lax.bitcast_convert_type(host_buf[o + T + 2 * R:], jnp.float32)
+    hidden, caches = forward(params, caches, tokens, md, config=mconfig,
+                             attention_impl=attention_impl, attention_mode=attention_mode,
+                             dcp_world_size=rconfig.dcp_world_size, interpret=interpret)
+    last = jnp.clip(md.query_start_loc[1:] - 1, 0, T - 1)  # last token of each row
+    logits = compute_logits(params, hidden[last], mconfig)
+    nxt = sample_tokens(logits, temperature, seeds, sample_index)
+    return jnp.where(md.req_mask, nxt, -1), logits, caches, md
+
+
+def serve_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
+               rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
+               interpret: bool = False, mesh: Mesh | None = None, attention_mode: str = "msa"
+               ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
+    """One serving step for ``bucket`` (static). host_buf int32 [host_buffer_size(bucket)].
+
+    attention_mode (static): "msa" (what the runner serves) or "dense" (every MSA layer on
+    dense paged attention over the same caches: the baseline of ``bench/serving.py``).
+
+    Without DCP (rconfig.dcp_world_size == 1, mesh None) caches are leaves [N, ...]. With
+    DCP, mesh is the "dcp" mesh of W devices and caches are per-rank stacks [W, N_local, ...]
+    sharded over it; the step runs in one shard_map (params, host_buf replicated).
+    Returns (next_tokens int32 [R] (-1 on padded rows), logits f32 [R, V] of each row's
+    last token, updated caches, the staged metadata); all but the caches replicated.
+    """
+    body = functools.partial(_step_body, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
+                             attention_impl=attention_impl, interpret=interpret,
+                             attention_mode=attention_mode)
+    return per_rank_step(body, rconfig, mesh)(params, caches, host_buf)
+
+
+_serve_step_jit = jax.jit(serve_step, static_argnames=("bucket", "rconfig", "mconfig",
+                                                       "attention_impl", "interpret", "mesh",
+                                                       "attention_mode"),
+                          donate_argnames=("caches",))
+
+
+# ---- the runner ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class WarmupReport:
+    buckets: tuple[Bucket, ...]
+    compile_seconds: float
+    compilations: int
+    profile_bucket: Bucket
+    profile_seconds: float
+    peak_bytes: int | None  # device allocator peak (GPU), None where the backend has no stats
+    step_temp_bytes: int | None  # XLA's temp allocation of the largest bucket's step
+    cache_bytes: int  # all layers' caches, summed over the DCP ranks
+    param_bytes: int
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+class ModelRunner:
+    """Holds params, caches and one compiled executable per bucket.
+
+    num_pages: KV pages of the cache (per rank under DCP). With rconfig.dcp_world_size W > 1
+    the runner serves over the first W devices (``mesh``); raises DCPError when fewer exist.
+    interpret: Pallas interpret mode; default True exactly for attention_impl "pallas" off
+    the GPU. ``last_logits`` holds the latest step's logits f32 [R_bucket, V] (on device).
+    """
+
+    def __init__(self, mconfig: ModelConfig, rconfig: RunnerConfig, *, num_pages: int,
+                 params: dict | None = None, seed: int = 0, attention_impl: str | None = None,
+                 debug: bool = False, interpret: bool | None = None):
+        self.attention_impl = attention_impl or default_attention_impl()
+        check_attention_impl(self.attention_impl)
+        self.interpret = (self.attention_impl == "pallas" and jax.default_backend() != "gpu"
+                          if interpret is None else bool(interpret))
+        self.mesh = step_mesh(rconfig)  # DCPError: too few devices
+        self.mconfig, self.rconfig, self.debug = mconfig, rconfig, debug
+        self.buckets = make_buckets(rconfig)
+        self.params = replicate(params if params is not None else init_params(mconfig, seed),
+                                self.mesh)
+        self.caches = init_caches(mconfig, num_pages, self.mesh)
+        self.num_pages = num_pages
+        self.last_logits: jax.Array | None = None
+        self._compiled: dict[Bucket, Callable] = {}
+        self.validated_steps = 0
+
+    # ---- start-up ------------------------------------------------------------------------
+    def _dummy_buffer(self, bucket: Bucket, kind: str, profile_seq_len: int | None) -> np.ndarray:
+        """Host buffer of the ``kind`` dummy batch of ``bucket.num_tokens`` tokens."""
+        host = dummy_host_batch(bucket.num_tokens, self.rconfig, kind=kind,
+                                profile_seq_len=profile_seq_len)
+        packed = pack_host_batch(host.num_scheduled, host.num_computed, host.block_table, bucket,
+                                 self.rconfig)
+        n = host.num_scheduled.size
+        return pack_step_inputs(packed, np.zeros(int(host.num_scheduled.sum()), np.int32),
+                                np.zeros(n, np.int32), np.zeros(n, np.int32),
+                                np.zeros(n, np.float32), bucket)
+
+    def _put(self, buf: np.ndarray) -> jax.Array:
+        """The host buffer on the device (replicated over the mesh under DCP)."""
+        return replicate(buf, self.mesh)
+
+    def _run(self, bucket: Bucket, buf: np.ndarray):
+        nxt, self.last_logits, self.caches, md = self._compiled[bucket](
+            self.params, self.caches, self._put(buf))
+        return nxt, md
+
+    def warm_up(self) -> WarmupReport:
+        """Compile every bucket on its dummy batch and run it; then the profiling pass."""
+        t0 = time.perf_counter()
+        with CompileCounter() as cc:
+            for bucket in self.buckets:
+                buf = self._dummy_buffer(bucket, "default", None)
+                lowered = _serve_step_jit.lower(self.params, self.caches, self._put(buf),
+                                                bucket=bucket, rconfig=self.rconfig,
+                                                mconfig=self.mconfig,
+                                                attention_impl=self.attention_impl,
+                                                interpret=self.interpret, mesh=self.mesh)
+                self._compiled[bucket] = lowered.compile()
+                nxt, md = self._run(bucket, buf)  # the "capture" run
+                if self.debug:
+                    validate_metadata(md, self.rconfig)
+                jax.block_until_ready(nxt)
+        compile_s = time.perf_counter() - t0
+        big = self.buckets[-1]
+        buf = self._dummy_buffer(big, "mixed", self.rconfig.max_model_len)
+        t1 = time.perf_counter()
+        nxt, md = self._run(big, buf)
+        jax.block_until_ready(nxt)
+        profile_s = time.perf_counter() - t1
+        validate_metadata(md, self.rconfig)
+        stats = jax.devices()[0].memory_stats() or {}
+        mem = self._compiled[big].memory_analysis()
+        return WarmupReport(
+            buckets=self.buckets, compile_seconds=compile_s, compilations=cc.count,
+            profile_bucket=big, profile_seconds=profile_s,
+            peak_bytes=stats.get("peak_bytes_in_use"),
+            step_temp_bytes=getattr(mem, "temp_size_in_bytes", None) if mem is not None else None,
+            cache_bytes=_nbytes(self.caches), param_bytes=_nbytes(self.params))
+
+    # ---- serving -------------------------------------------------------------------------
+    def execute(self, batch: ScheduledBatch) -> np.ndarray:
+        """Run one scheduled batch; returns the sampled token of every row (int32 [n])."""
+        if not self._compiled:
+            raise RuntimeError("ModelRunner.execute before warm_up(): buckets are not compiled")
+        bucket = select_bucket(batch.num_tokens, batch.num_reqs, self.rconfig)
+        packed = pack_host_batch(batch.num_scheduled, batch.num_computed, batch.block_table, bucket,
+                                 self.rconfig)
+        buf = pack_step_inputs(packed, batch.token_ids, batch.seeds, batch.sample_index,
+                               batch.temperature, bucket)
+        nxt, md = self._run(bucket, buf)
+        if self.debug:
+            validate_metadata(md, self.rconfig)
+            self.validated_steps += 1
+        return np.asarray(nxt)[:batch.num_reqs]
+
+
+@dataclasses.dataclass
+class ServeStats:
+    steps: int
+    step_seconds: list[float]
+    prompt_tokens: int
+    output_tokens: int
+    wall_seconds: float
+    compilations: int
+    preemptions: int
+
+
+def serve(runner: ModelRunner, scheduler: Scheduler,
+          on_step: Callable[[Scheduler, int], None] | None = None,
+          max_steps: int | None = None) -> ServeStats:
+    """Run scheduler + runner until every request finished (or ``max_steps``)."""
+    times: list[float] = []
+    prompt = sum(len(r.prompt) for r in list(scheduler.waiting) + scheduler.running)
+    t0 = time.perf_counter()
+    with CompileCounter() as cc:
+        while scheduler.has_unfinished() and (max_steps is None or len(times) < max_steps):
+            ts = time.perf_counter()
+            batch = scheduler.schedule()
+            tokens = runner.execute(batch)
+            scheduler.update(batch, tokens)
+            times.append(time.perf_counter() - ts)
+            if on_step is not None:
+                on_step(scheduler, len(times))
+    wall = time.perf_counter() - t0
+    out = sum(len(r.output) for r in scheduler.finished.values())
+    return ServeStats(steps=len(times), step_seconds=times, prompt_tokens=prompt,
+                      output_tokens=out, wall_seconds=wall, compilations=cc.count,
+                      preemptions=scheduler.num_preemptions)

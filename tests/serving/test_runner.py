@@ -1,0 +1,108 @@
+"""Runner pieces: host buffer layout, sampling, compile counter, start-up errors, serving
+with an fp8 index-K cache.
+
+The compiled end-to-end behaviour (warm-up, serving, zero compiles) is in test_serving_e2e.py,
+which shares one warmed-up runner across its tests to keep CI cheap.
+"""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.testing as npt
+import pytest
+
+from jax_msa_runner.batch.buckets import Bucket
+from jax_msa_runner.serving.compile_count import CompileCounter
+from jax_msa_runner.config import ModelConfig, RunnerConfig
+from jax_msa_runner.attention.dcp import DCPError
+from jax_msa_runner.serving.runner import (ModelRunner, host_buffer_size, pack_step_inputs,
+                                   sample_tokens, serve)
+from jax_msa_runner.serving.scheduler import Request, Scheduler, SchedulerConfig
+from jax_msa_runner.batch.staging import pack_host_batch, packed_size, stage_packed
+
+
+def test_host_buffer_layout_roundtrip():
+    rc = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=256, bucket_sizes=(8,))
+    b = Bucket(8, 4, 2)
+    packed = pack_host_batch(np.array([3, 1]), np.array([0, 130]), [[2], [3, 4]], b, rc)
+    buf = pack_step_inputs(packed, np.array([5, 6, 7, 8]), np.array([11, 12]), np.array([0, 4]),
+                           np.array([0.0, 0.7], np.float32), b)
+    assert buf.dtype == np.int32 and buf.shape == (host_buffer_size(b),)
+    o = packed_size(b)
+    npt.assert_array_equal(buf[:o], packed)
+    npt.assert_array_equal(buf[o:o + 8], [5, 6, 7, 8, 0, 0, 0, 0])
+    npt.assert_array_equal(buf[o + 8:o + 12], [11, 12, 0, 0])
+    npt.assert_array_equal(buf[o + 12:o + 16], [0, 4, 0, 0])
+    temps = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(buf[o + 16:]), jnp.float32))
+    npt.assert_array_equal(temps, np.array([0.0, 0.7, 0, 0], np.float32))
+    md = stage_packed(jnp.asarray(buf[:o]), b, rc)
+    npt.assert_array_equal(np.asarray(md.positions)[:4], [0, 1, 2, 130])
+
+
+def test_sampling_greedy_and_seeded():
+    logits = jax.random.normal(jax.random.key(0), (4, 50))
+    t = jnp.array([0.0, 1.0, 1.0, 1.0])
+    seeds = jnp.array([0, 7, 7, 8], jnp.int32)
+    idx = jnp.array([0, 3, 3, 3], jnp.int32)
+    a = np.asarray(sample_tokens(logits, t, seeds, idx))
+    assert a[0] == int(jnp.argmax(logits[0]))
+    # same (seed, index, logits) -> same token, whatever the row or the batch
+    b = np.asarray(sample_tokens(logits[1:2], t[1:2], seeds[1:2], idx[1:2]))
+    assert a[1] == b[0]
+    # a seeded draw follows the softmax: empirical frequencies over many indices
+    draws = np.asarray(jax.vmap(lambda i: sample_tokens(logits[1:2], t[1:2], seeds[1:2], i[None])[0])(
+        jnp.arange(4000, dtype=jnp.int32)))
+    freq = np.bincount(draws, minlength=50) / 4000
+    npt.assert_allclose(freq, np.asarray(jax.nn.softmax(logits[1])), atol=0.03)
+
+
+def test_compile_counter_sees_compiles_and_cache_hits():
+    f = jax.jit(lambda x: x * 3 + 1)
+    with CompileCounter() as cc:
+        f(jnp.ones(3))
+    assert cc.count >= 1
+    with CompileCounter() as cc:
+        f(jnp.ones(3))
+    assert cc.count == 0
+    with CompileCounter() as cc:
+        f(jnp.ones(5))  # new shape: a cache miss
+    assert cc.count >= 1
+
+
+def test_runner_rejects_bad_setup():
+    mc = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1))
+    n = len(jax.devices())  # DCP runs over the available devices; one rank more is an error
+    with pytest.raises(DCPError, match=f"dcp_world_size: {n + 1} ranks need {n + 1} devices"):
+        ModelRunner(mc, RunnerConfig(dcp_world_size=n + 1, max_model_len=1024), num_pages=8)
+    with pytest.raises(ValueError, match="attention_impl"):
+        ModelRunner(mc, RunnerConfig(), num_pages=8, attention_impl="cuda")
+    r = ModelRunner(mc, RunnerConfig(), num_pages=8)
+    assert r.attention_impl == ("pallas" if jax.default_backend() == "gpu" else "reference")
+    with pytest.raises(RuntimeError, match="before warm_up"):
+        r.execute(None)
+
+
+def test_fp8_index_cache_serves():
+    """A runner with a float8_e4m3fn index-K cache (f32 model) warms up, serves a mixed
+    workload (prompts ending mid-page, chunked prefill + decode) without compiling, and keeps
+    its index pages fp8 and finite through the donated steps (numerics: test_model.py)."""
+    mc = ModelConfig.tiny(num_layers=1, sparse_attention_freq=(1,), num_heads=4, head_dim=32,
+                          rotary_dim=16, index_dim=32, index_cache_dtype="float8_e4m3fn")
+    rc = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=320,
+                      bucket_sizes=(32,))
+    runner = ModelRunner(mc, rc, num_pages=12, seed=23, attention_impl="reference", debug=True)
+    assert runner.caches.index_k[0].dtype == jnp.float8_e4m3fn
+    runner.warm_up()
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32,
+                                      max_model_len=320, num_pages=12))
+    rng = np.random.default_rng(23)
+    for i, n in enumerate((200, 37, 129)):
+        sched.add_request(Request(i, tuple(int(t) for t in rng.integers(0, mc.vocab_size, n)), 6))
+    stats = serve(runner, sched)
+    assert stats.compilations == 0 and len(sched.finished) == 3
+    assert all(len(r.output) == 6 for r in sched.finished.values())
+    ik = runner.caches.index_k[0]
+    assert ik.dtype == jnp.float8_e4m3fn and runner.caches.kv[0].dtype == jnp.float32
+    chex.assert_shape(ik, (12, 128, 32))
+    chex.assert_tree_all_finite(ik.astype(jnp.float32))
+    assert float(jnp.abs(ik[2:].astype(jnp.float32)).max()) > 0  # request pages were written

@@ -1,0 +1,142 @@
+"""Scheduler: budget, chunked prefill, decode, preemption by recompute, rejection, no loss."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jax_msa_runner.config import RESERVED_PAGES
+from jax_msa_runner.serving.kv_cache import pages_needed
+from jax_msa_runner.serving.scheduler import (Request, RequestRejectedError, Scheduler, SchedulerConfig,
+                                      Status)
+
+
+def fake_model(batch):
+    """Deterministic 'model': next token = f(whole sequence so far), whatever the chunking."""
+    out, off = [], 0
+    for r, n, c in zip(batch.requests, batch.num_scheduled, batch.num_computed):
+        assert list(batch.token_ids[off:off + n]) == r.token_slice(c, c + n)
+        seq = np.asarray(r.token_slice(0, c + n), np.int64)
+        out.append(int((seq * np.arange(1, len(seq) + 1)).sum() % 97))
+        off += n
+    return out
+
+
+def check_invariants(s: Scheduler, batch):
+    ids = [r.request_id for r in batch.requests]
+    assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+    assert batch.num_tokens <= s.config.max_num_batched_tokens
+    assert batch.num_reqs <= s.config.max_num_seqs
+    held = [p for r in s.running for p in r.pages]
+    assert len(held) == len(set(held)), "a page held twice"
+    assert not set(held) & set(RESERVED_PAGES)
+    assert len(held) + s.allocator.num_free == s.allocator.num_usable
+    for r, n, c, row in zip(batch.requests, batch.num_scheduled, batch.num_computed, batch.block_table):
+        assert n >= 1 and c + n <= r.num_tokens
+        assert len(row) >= pages_needed(c + n)
+
+
+def run_all(s: Scheduler, max_steps=10_000):
+    steps = 0
+    while s.has_unfinished():
+        b = s.schedule()
+        check_invariants(s, b)
+        s.update(b, fake_model(b))
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+def make(n, lens, new, **cfg):
+    s = Scheduler(SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 16,
+                                     "max_model_len": 512, "num_pages": 12, **cfg}))
+    for i, (l, m) in enumerate(zip(lens, new)):
+        s.add_request(Request(i, tuple(range(1, l + 1)), m))
+    return s
+
+
+def test_chunked_prefill_then_decode():
+    s = make(1, [40], [3])
+    b = s.schedule()
+    assert list(b.num_scheduled) == [16] and not b.sample[0]
+    s.update(b, fake_model(b))
+    b = s.schedule()
+    assert list(b.num_computed) == [16] and list(b.num_scheduled) == [16]
+    s.update(b, fake_model(b))
+    b = s.schedule()
+    assert list(b.num_scheduled) == [8] and b.sample[0] and b.sample_index[0] == 0
+    s.update(b, fake_model(b))
+    b = s.schedule()  # decode: one token, the sampled one
+    assert list(b.num_scheduled) == [1] and b.token_ids[0] == s.running[0].output[0]
+    run_all(s)
+    assert len(s.finished[0].output) == 3 and s.allocator.num_free == s.allocator.num_usable
+
+
+def test_budget_shared_and_decodes_first():
+    s = make(3, [3, 3, 40], [5, 5, 2])
+    b = s.schedule()
+    assert list(b.num_scheduled) == [3, 3, 10]  # the third prompt gets what the budget leaves
+    s.update(b, fake_model(b))
+    b = s.schedule()
+    assert list(b.num_scheduled) == [1, 1, 14]  # decodes first, then the prefill chunk
+
+
+def test_outputs_independent_of_budget_and_pages():
+    lens, new = [120, 5, 125, 100, 127, 9], [20, 9, 10, 30, 5, 8]
+    ref = make(0, lens, new, max_num_batched_tokens=256, num_pages=40, max_num_seqs=8)
+    run_all(ref)
+    tight = make(0, lens, new, max_num_batched_tokens=8, num_pages=4, max_num_seqs=3)
+    run_all(tight)
+    assert tight.num_preemptions > 0
+    assert {i: r.output for i, r in tight.finished.items()} == {i: r.output for i, r in ref.finished.items()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 300), min_size=1, max_size=10),
+       new=st.lists(st.integers(1, 20), min_size=10, max_size=10),
+       budget=st.integers(1, 64), pages=st.integers(5, 20), seqs=st.integers(1, 6))
+def test_property_no_request_lost_or_duplicated(lens, new, budget, pages, seqs):
+    s = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget,
+                                  max_model_len=400, num_pages=pages))
+    accepted = []
+    for i, l in enumerate(lens):
+        try:
+            s.add_request(Request(i, tuple(range(l)), new[i]))
+            accepted.append(i)
+        except RequestRejectedError:
+            assert pages_needed(l + new[i] - 1) > pages - len(RESERVED_PAGES) or l + new[i] > 400
+    run_all(s)
+    assert sorted(s.finished) == accepted
+    for i in accepted:
+        r = s.finished[i]
+        assert r.status is Status.FINISHED and len(r.output) == new[i] and r.pages == []
+    assert s.allocator.num_free == s.allocator.num_usable
+
+
+def test_rejections_are_clear():
+    s = make(0, [], [], max_model_len=300, num_pages=4)
+    with pytest.raises(RequestRejectedError, match="exceeds max_model_len=300"):
+        s.add_request(Request(0, tuple(range(290)), 20))
+    with pytest.raises(RequestRejectedError, match="needs 3 KV pages .* only 2 usable pages"):
+        s.add_request(Request(1, tuple(range(280)), 5))
+    with pytest.raises(RequestRejectedError, match="empty prompt"):
+        s.add_request(Request(2, (), 5))
+    s.add_request(Request(3, (1, 2), 5))
+    with pytest.raises(RequestRejectedError, match="duplicate"):
+        s.add_request(Request(3, (1, 2), 5))
+
+
+def test_eos_stops_and_preempted_request_keeps_outputs():
+    s = make(0, [100, 100], [50, 50], num_pages=4, max_num_batched_tokens=32)  # 2 usable pages
+    s.waiting[1].eos_token_id = -5  # never produced
+    steps = 0
+    while s.has_unfinished() and steps < 400:
+        b = s.schedule()
+        check_invariants(s, b)
+        if b.preempted:
+            victim = [r for r in s.waiting if r.request_id in b.preempted][0]
+            assert victim.num_computed == 0 and victim.pages == [] and len(victim.output) > 0
+            # on resume it recomputes prompt + outputs as one prefill
+        s.update(b, fake_model(b))
+        steps += 1
+    assert not s.has_unfinished() and s.num_preemptions > 0
+    assert all(len(r.output) == 50 for r in s.finished.values())
