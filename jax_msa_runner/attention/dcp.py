@@ -1,4 +1,4 @@
-"""Decode context parallelism (DCP) of MSA attention on a JAX device mesh (spec section 7).
+"""Decode context parallelism (DCP) of MSA attention on a JAX device mesh.
 
 W ranks form the mesh axis ``"dcp"``. The context of every request is split page-wise by the
 interleave rule (I = 128, one MSA block per unit): global block g lives on rank ``g % W`` as

@@ -33,7 +33,7 @@ def msa_attention(q, index_q, kv_cache, index_k_cache, md, *, scale, prefill=Fal
       md: BatchMetadata (or any pytree with its field names) padded to T tokens.
       scale: softmax scale (static). prefill: use the prefill kernel, which shares page
         loads across consecutive tokens of a request (static). interpret: Pallas interpret.
-      local_blocks, init_blocks: the selector's forced blocks (static; spec section 3).
+      local_blocks, init_blocks: the selector's forced blocks (static; see docs/DESIGN.md, "Selection").
     Returns:
       (out [T, Hq, D] q.dtype, lse [T, Hq] f32, selected [T, Hkv, 16] int32).
     """
