@@ -255,27 +255,3 @@ def test_every_dummy_kind_over_every_bucket_property(cfg_i, data, kind, L, ctx):
     np.testing.assert_array_equal(md.positions[ends], md.seq_lens[:n] - 1)
     if L is None and (ctx_len + q <= cfg.max_model_len).all():
         np.testing.assert_array_equal(md.num_computed_tokens[:n], ctx_len)
-
-
-def test_cli_buckets_stages_and_validates_every_bucket_and_kind(capsys):
-    from jax_msa_runner.cli import main
-
-    assert main(["buckets", "--repeats", "1", "--profile-seq-len", "4096"]) == 0
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.rstrip().endswith(" ok")]
-    assert len(rows) == len(make_buckets(RunnerConfig())) * len(DUMMY_KINDS)
-    assert "all buckets valid" in out
-
-
-def test_cli_compare_forwards_its_arguments(monkeypatch):
-    import sys
-    import types
-
-    from jax_msa_runner.cli import main
-
-    seen = []
-    fake = types.ModuleType("tools.vllm_compare.compare")
-    fake.main = lambda argv: seen.append(list(argv)) or 7
-    monkeypatch.setitem(sys.modules, "tools.vllm_compare.compare", fake)
-    assert main(["compare", "--case", "decode", "-v"]) == 7
-    assert seen == [["--case", "decode", "-v"]]
