@@ -66,6 +66,15 @@ def selection_agreement(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean(same))
 
 
+def selection_overlap(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean over (token, head) rows of |A & B| / |A| (valid ids of a and b; 1 for empty A)."""
+    a, b = np.asarray(a), np.asarray(b)
+    rows = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    fr = [len(set(x[x >= 0].tolist()) & set(y[y >= 0].tolist())) / max((x >= 0).sum(), 1)
+          for x, y in zip(*rows)]
+    return float(np.mean(fr))
+
+
 def op_bytes(shape: Shape) -> dict:
     return {"indexer": shape.indexer_bytes(2), "indexer_fp8": shape.indexer_bytes(1),
             "decode": shape.decode_bytes}
@@ -246,12 +255,14 @@ def bench_shape(shape: Shape, vllm, *, reps: int, trials: int, rounds: int, seed
     row["ours"] = {k: ours_summary(v) for k, v in timings.items()}
     if calls is not None:
         row["vllm"] = vllm_summary(acc, state, timer.flush_us)
-        agree = {}
+        agree, overlap = {}, {}
         for name in ("indexer", "indexer_fp8"):
             if name in state and "result" in state[name]:
-                agree[name] = selection_agreement(np.asarray(results[name]),
-                                                  vt.transpose_selection(state[name]["result"]))
-        row["selection_agree"] = agree
+                theirs = vt.transpose_selection(state[name]["result"])
+                agree[name] = selection_agreement(np.asarray(results[name]), theirs)
+                overlap[name] = selection_overlap(np.asarray(results[name]), theirs)
+        row["selection_agree"] = agree  # rows with identical sets
+        row["selection_overlap"] = overlap  # mean share of common picks per row
         if "decode" in state and "result" in state["decode"]:
             row["decode_rel_l2_vs_vllm"] = rel_l2(
                 np.asarray(results["decode"][0], np.float32),
@@ -323,17 +334,21 @@ def markdown(result: dict) -> str:
         + f"; copy bandwidth {bw / 1e12:.2f} TB/s (read + write, same run).", "",
         f"- Ours: {result['timing']['ours']}.",
         f"- vLLM: {result['timing']['vllm']}.",
-        f"- Ratio = vLLM time / our time (> 1: ours faster). {KERNEL_COUNT_DOC}.", "",
+        f"- Ratio = vLLM time / our time (> 1: ours faster). {KERNEL_COUNT_DOC}.",
+        "- Selections compared as sets per (token, KV head): agree = share of identical rows; "
+        "fp8 overlap = mean share of common picks (vLLM's fp8 path also rounds the index "
+        "queries to e4m3, ours keeps them bf16).", "",
         "| Hq/Hkv | B | L | idx+sel us ours | vLLM | ratio | % copy | fp8 idx+sel us ours "
         "| vLLM fp8 | ratio | decode us ours | vLLM | ratio | % copy | XLA kernels idx/fp8/dec "
-        "| sel agree bf16/fp8 | decode rel-L2 |",
+        "| sel agree bf16/fp8 (overlap fp8) | decode rel-L2 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         o, v, k = r["ours"], r.get("vllm", {}), r["kernels"]
         get = lambda d, op: (d.get(op) or {}).get("us")  # noqa: E731
         pct = lambda op: (f"{100 * r['bytes'][op] / (o[op]['us'] * 1e-6) / bw:.0f}%"  # noqa: E731
                           if op in o else "n/a")
-        agree = r.get("selection_agree", {})
+        agree, overlap = r.get("selection_agree", {}), r.get("selection_overlap", {})
+        fmt = lambda v: "n/a" if v is None else f"{v:.3g}"  # noqa: E731
         lines.append(
             f"| {r['hq']}/{r['hkv']} | {r['batch']} | {r['context']} "
             f"| {_us(get(o, 'indexer'))} | {_us(get(v, 'indexer'))} | {_ratio(r, 'indexer')} "
@@ -343,7 +358,8 @@ def markdown(result: dict) -> str:
             f"| {_us(get(o, 'decode'))} | {_us(get(v, 'decode'))} | {_ratio(r, 'decode')} "
             f"| {pct('decode')} "
             f"| {'/'.join(str(k[op]['total']) if op in k else '-' for op in OPS)} "
-            f"| {agree.get('indexer', 'n/a')}/{agree.get('indexer_fp8', 'n/a')} "
+            f"| {fmt(agree.get('indexer'))}/{fmt(agree.get('indexer_fp8'))} "
+            f"({fmt(overlap.get('indexer_fp8'))}) "
             f"| {r.get('decode_rel_l2_vs_vllm', float('nan')):.1e} |")
     for op in OPS:
         ratios = [r["ratio"][op] for r in result["rows"] if op in r.get("ratio", {})]
@@ -357,7 +373,7 @@ def markdown(result: dict) -> str:
                   "| shape | op | graph us | graph host us/replay | eager us | eager host us/iter "
                   "| flush us (x k) | eager GPU-bound | used |", "|---|---|---|---|---|---|---|---|---|"]
         for r in result["rows"]:
-            for op, d in r.get("vllm", {}).items():
+            for op, d in sorted(r.get("vllm", {}).items(), key=lambda kv: OPS.index(kv[0])):
                 name = f"{r['hq']}/{r['hkv']} B={r['batch']} L={r['context']}"
                 if "err" in d:
                     lines.append(f"| {name} | {op} | error: {d['err'][:80]} | | | | | | |")
@@ -420,7 +436,7 @@ def print_row(r: dict) -> None:
                   f"{e['flush_us']:.1f} us: {'GPU-bound' if e['gpu_bound'] else 'HOST-BOUND'})"
                   f" ratio {r['ratio'][op]:.2f}x")
         elif v:
-            s += f" vLLM error {v.get('err', v.get('method'))}"
+            s += f" vLLM: {v['err'] if 'err' in v else v['method']}"
         parts.append(s)
     if "vllm_err" in r:
         parts.append(f"vLLM error {r['vllm_err']}")

@@ -154,6 +154,7 @@ def test_selection_agreement_compares_sets():
     b = np.array([[[1, 2, 3, -1]], [[0, 1, 2, 6]]])
     assert kernels.selection_agreement(a, b) == 0.5
     assert kernels.selection_agreement(a, a[:, :, ::-1]) == 1.0
+    np.testing.assert_allclose(kernels.selection_overlap(a, b), (1.0 + 0.75) / 2)
 
 
 def _vllm_records(eager_host_us: float, flush_us: float = 120.0):
