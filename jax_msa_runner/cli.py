@@ -67,9 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jax-msa-runner", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     from jax_msa_runner.demo import add_demo_args, run_demo
+    from jax_msa_runner.serve_cli import add_serve_args, run_serve
 
     demo = sub.add_parser("demo", help="serve a synthetic workload with the tiny default model")
     add_demo_args(demo)
+    add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server (tiny model)"))
     buckets = sub.add_parser("buckets", help="stage and validate every bucket of the default config")
     buckets.add_argument("--profile-seq-len", type=int, default=None,
                          help="profiling override L of the dummy sequence length")
@@ -83,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         from tools.vllm_compare.compare import main as compare_main
         return compare_main(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
     return run_demo(args) if args.command == "demo" else run_buckets(args)
 
 
