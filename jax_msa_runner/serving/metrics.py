@@ -1,7 +1,7 @@
 """The server's Prometheus metrics, in a registry of their own (one per engine).
 
 Counters: ``jax_msa_requests_total{outcome}`` (outcome: stop, length, abort, rejected,
-overloaded), ``jax_msa_prompt_tokens_total``, ``jax_msa_generation_tokens_total``,
+overloaded, error: an internal error), ``jax_msa_prompt_tokens_total``, ``jax_msa_generation_tokens_total``,
 ``jax_msa_preemptions_total``. Gauges: ``jax_msa_queue_depth`` (requests waiting to run),
 ``jax_msa_running_requests``, ``jax_msa_kv_pages_in_use``, ``jax_msa_kv_pages_total``.
 Histograms (seconds): ``jax_msa_step_latency_seconds`` (schedule + step + update),
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-OUTCOMES = ("stop", "length", "abort", "rejected", "overloaded")
+OUTCOMES = ("stop", "length", "abort", "rejected", "overloaded", "error")
 _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0)
 _TTFT_BUCKETS = (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

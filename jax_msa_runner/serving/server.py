@@ -38,10 +38,10 @@ def _sse(obj: dict) -> str:
 
 
 async def _until_disconnect(request: Request) -> None:
-    """Returns when the client has gone (the request body is already read)."""
-    while True:
-        if (await request.receive())["type"] == "http.disconnect":
-            return
+    """Returns when the client has gone (the request body is already read, so the server's
+    next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.1)  # not expected; never spin
 
 
 def build_app(engine: Engine, *, model_name: str) -> FastAPI:
@@ -58,6 +58,12 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
         if outcome:
             metrics.requests.labels(outcome=outcome).inc()
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception):
+        metrics.requests.labels(outcome="error").inc()
+        return JSONResponse(APIError(500, f"internal error: {e!r}", type="server_error",
+                                     code="internal_error").body(), status_code=500)
 
     @app.get("/health")
     async def health():
@@ -117,7 +123,7 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
             if not collect.done():
                 collect.cancel()
                 engine.abort(stream.request_id)
-        if collect.cancelled():
+        if not collect.done() or collect.cancelled():
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(collect.result())
 
