@@ -4,8 +4,9 @@ Without ``--checkpoint`` it serves the built-in tiny model (random weights from 
 with the byte tokenizer (``serving.tokenizer_io.ByteTokenizer``): text prompts, chat,
 stop strings and streaming work end to end, and completions also take token-id prompts.
 Start-up: every flag is checked first (a bad one prints one line naming the flag and its
-bound and exits with status 2), then the runner compiles every bucket (warm-up), and only
-then does uvicorn listen. Routes: ``jax_msa_runner.serving.server``.
+bound and exits with status 2), the port is bound (a port in use fails here, before any
+compile), the runner compiles every bucket (warm-up), and only then does uvicorn accept
+requests. Routes: ``jax_msa_runner.serving.server``.
 """
 from __future__ import annotations
 

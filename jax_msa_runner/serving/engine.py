@@ -209,9 +209,10 @@ class Engine:
         if sconfig.dcp_world_size != rc.dcp_world_size:
             raise ValueError(f"sconfig.dcp_world_size: {sconfig.dcp_world_size} differs from the "
                              f"runner's {rc.dcp_world_size}")
-        if tokenizer.vocab_size > runner.mconfig.vocab_size:
-            raise ValueError(f"tokenizer.vocab_size: {tokenizer.vocab_size} exceeds the model's "
-                             f"{runner.mconfig.vocab_size}")
+        if tokenizer.vocab_size != runner.mconfig.vocab_size:
+            raise ValueError(f"tokenizer.vocab_size: {tokenizer.vocab_size} differs from the "
+                             f"model's {runner.mconfig.vocab_size} (every id the model can "
+                             f"sample must decode)")
         if max_queue < 1:
             raise ValueError(f"max_queue: must be >= 1, got {max_queue}")
         self.runner, self.tokenizer = runner, tokenizer
@@ -426,6 +427,8 @@ class Engine:
 
     def _publish(self) -> None:
         snap = self.snapshot = self._make_snapshot()
+        with self._lock:
+            self._num_waiting = snap.waiting
         self.metrics.queue_depth.set(snap.waiting + self._pending_adds)
         self.metrics.running.set(snap.running)
         self.metrics.kv_pages_in_use.set(snap.pages_in_use)

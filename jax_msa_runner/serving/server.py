@@ -109,10 +109,8 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
         stream = await submit(parsed)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if parsed.stream:
-            return StreamingResponse(_stream_events(engine, stream, parsed, rid, created_now(),
-                                                    model_name),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _EventStream(_stream_events(engine, stream, parsed, rid, created_now(),
+                                               model_name), engine, stream)
         collect = asyncio.ensure_future(_collect(stream, parsed, rid, created_now(), model_name,
                                                  tokenizer))
         gone = asyncio.ensure_future(_until_disconnect(request))
@@ -173,7 +171,7 @@ async def _collect(stream: RequestStream, parsed: ParsedRequest, rid: str, creat
 
 async def _stream_events(engine: Engine, stream: RequestStream, parsed: ParsedRequest, rid: str,
                          created: int, model: str):
-    """Server-sent events of one request; aborts it if the client goes away first."""
+    """Server-sent events of one request (``_EventStream`` aborts it if they stop early)."""
     tok = engine.tokenizer
     chat = parsed.chat
     length, n_out = 0, 0
@@ -205,9 +203,23 @@ async def _stream_events(engine: Engine, stream: RequestStream, parsed: ParsedRe
         yield "data: [DONE]\n\n"
     except EngineDeadError as e:
         yield _sse(APIError(503, str(e), type="server_error", code="engine_unavailable").body())
-    finally:
-        if not stream.finished:
-            engine.abort(stream.request_id)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that abort their request however the response ends (finished,
+    client gone, cancelled), unless it finished."""
+
+    def __init__(self, events, engine: Engine, stream: RequestStream):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._engine, self._stream = engine, stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._stream.finished:
+                self._engine.abort(self._stream.request_id)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
