@@ -52,7 +52,7 @@ class GenerationParams:
     logprobs: None for no logprobs, else N in [0, 20]: the chosen token's logprob and the
     top N alternatives. stop: up to 16 non-empty strings (not part of the output);
     stop_token_ids: ids that end the generation (their text is not part of the output);
-    seed None: a random one. ignore_eos: do not stop at the tokenizer's eos token.
+    seed None: a random one. ignore_eos: do not stop at the tokenizer's eos tokens.
     """
 
     max_tokens: int
@@ -120,16 +120,15 @@ class RequestOutput:
 
 
 def make_request(request_id: int, prompt: Sequence[int], params: GenerationParams, *, seed: int,
-                 eos_token_id: int | None) -> Request:
-    """The scheduler Request the engine serves for ``params`` (stop strings and logprobs are
-    the engine's business, not the scheduler's)."""
+                 eos_token_ids: Sequence[int]) -> Request:
+    """The scheduler Request the engine serves for ``params``: the eos ids join the stop token
+    ids unless ``ignore_eos`` (stop strings and logprobs are the engine's business)."""
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     return Request(request_id, tuple(prompt), params.max_tokens, temperature=params.temperature,
-                   seed=seed, eos_token_id=None if params.ignore_eos else eos_token_id,
-                   top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                   seed=seed, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                    presence_penalty=params.presence_penalty,
                    frequency_penalty=params.frequency_penalty,
-                   repetition_penalty=params.repetition_penalty,
-                   stop_token_ids=frozenset(params.stop_token_ids))
+                   repetition_penalty=params.repetition_penalty, stop_token_ids=frozenset(stops))
 
 
 class RequestStream:
@@ -326,7 +325,7 @@ class Engine:
     def _admit(self, stream: RequestStream, prompt: tuple[int, ...], params: GenerationParams):
         seed = self._rng.randrange(0, 2**31) if params.seed is None else params.seed
         req = make_request(stream.request_id, prompt, params, seed=seed,
-                           eos_token_id=self.tokenizer.eos_token_id)
+                           eos_token_ids=self.tokenizer.eos_token_ids)
         try:
             self.scheduler.add_request(req)
         except RequestRejectedError as e:  # checked at submit; a guard only

@@ -67,12 +67,13 @@ def pack_step_inputs(packed: np.ndarray, token_ids: np.ndarray, rows: SamplingRo
 
 def _model_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
                 rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
-                interpret: bool, attention_mode: str
+                interpret: bool, attention_mode: str, all_token_logits: bool
                 ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
     """The model on one device or one DCP rank (caches: the rank's own, leaves [N, ...]).
 
-    Returns (the raw argmax int32 [R], logits f32 [R, V] of each row's last token, caches,
-    metadata): the tuple ``per_rank_step`` expects; ``serve_step`` samples from the logits.
+    Returns (logits f32 [R, V] of each row's last token, the step's logits: the same, or
+    [T, V] of every token with all_token_logits, caches, metadata): the tuple
+    ``per_rank_step`` expects; ``serve_step`` samples from the first.
     """
     T = bucket.num_tokens
     o = packed_size(bucket)
@@ -81,13 +82,17 @@ def _model_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: 
                              attention_impl=attention_impl, attention_mode=attention_mode,
                              dcp_world_size=rconfig.dcp_world_size, interpret=interpret)
     last = jnp.clip(md.query_start_loc[1:] - 1, 0, T - 1)  # last token of each row
+    if all_token_logits:
+        logits = compute_logits(params, hidden, mconfig)
+        return logits[last], logits, caches, md
     logits = compute_logits(params, hidden[last], mconfig)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, caches, md
+    return logits, logits, caches, md
 
 
 def serve_step(params: dict, caches: KVCaches, penalties: PenaltyState, host_buf: jax.Array, *,
                bucket: Bucket, rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
-               interpret: bool = False, mesh: Mesh | None = None, attention_mode: str = "msa"
+               interpret: bool = False, mesh: Mesh | None = None, attention_mode: str = "msa",
+               all_token_logits: bool = False
                ) -> tuple[jax.Array, jax.Array, KVCaches, PenaltyState, BatchMetadata]:
     """One serving step for ``bucket`` (static). host_buf int32 [host_buffer_size(bucket)].
 
@@ -100,22 +105,23 @@ def serve_step(params: dict, caches: KVCaches, penalties: PenaltyState, host_buf
     sampling after it on the replicated logits.
     penalties: ``sampling.PenaltyState`` with max_num_seqs + 1 slots.
     Returns (the step output int32 [R, 2 + 2K] (``sampling.sample_step``; token -1 on padded
-    rows), logits f32 [R, V] of each row's last token, updated caches, updated penalties,
-    the staged metadata).
+    rows), logits f32 [R, V] of each row's last token (with all_token_logits (static):
+    [T, V] of every token), updated caches, updated penalties, the staged metadata).
     """
     body = functools.partial(_model_body, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
                              attention_impl=attention_impl, interpret=interpret,
-                             attention_mode=attention_mode)
-    _, logits, caches, md = per_rank_step(body, rconfig, mesh)(params, caches, host_buf)
+                             attention_mode=attention_mode, all_token_logits=all_token_logits)
+    row_logits, logits, caches, md = per_rank_step(body, rconfig, mesh)(params, caches, host_buf)
     o = packed_size(bucket) + bucket.num_tokens
     rows = unpack_rows(host_buf[o:], bucket.num_reqs)
-    out, penalties = sample_step(logits, rows, md, host_buf[o - bucket.num_tokens:o], penalties)
+    out, penalties = sample_step(row_logits, rows, md, host_buf[o - bucket.num_tokens:o],
+                                 penalties)
     return out, logits, caches, penalties, md
 
 
 _serve_step_jit = jax.jit(serve_step, static_argnames=("bucket", "rconfig", "mconfig",
                                                        "attention_impl", "interpret", "mesh",
-                                                       "attention_mode"),
+                                                       "attention_mode", "all_token_logits"),
                           donate_argnames=("caches", "penalties"))
 
 
@@ -144,7 +150,8 @@ class ModelRunner:
     num_pages: KV pages of the cache (per rank under DCP). With rconfig.dcp_world_size W > 1
     the runner serves over the first W devices (``mesh``); raises DCPError when fewer exist.
     interpret: Pallas interpret mode; default True exactly for attention_impl "pallas" off
-    the GPU. ``last_logits`` holds the latest step's logits f32 [R_bucket, V] (on device);
+    the GPU. ``last_logits`` holds the latest step's logits f32 [R_bucket, V] (on device;
+    with all_token_logits, [T_bucket, V]: one row per token of the step);
     ``penalties`` the per-slot penalty state (max_num_seqs + 1 slots, on device);
     ``last_launch`` / ``last_ready`` the perf_counter times just before the latest step's
     executable was called and when its output had reached the host.
@@ -152,13 +159,15 @@ class ModelRunner:
 
     def __init__(self, mconfig: ModelConfig, rconfig: RunnerConfig, *, num_pages: int,
                  params: dict | None = None, seed: int = 0, attention_impl: str | None = None,
-                 debug: bool = False, interpret: bool | None = None):
+                 debug: bool = False, interpret: bool | None = None,
+                 all_token_logits: bool = False):
         self.attention_impl = attention_impl or default_attention_impl()
         check_attention_impl(self.attention_impl)
         self.interpret = (self.attention_impl == "pallas" and jax.default_backend() != "gpu"
                           if interpret is None else bool(interpret))
         self.mesh = step_mesh(rconfig)  # DCPError: too few devices
         self.mconfig, self.rconfig, self.debug = mconfig, rconfig, debug
+        self.all_token_logits = all_token_logits
         self.buckets = make_buckets(rconfig)
         self.params = replicate(params if params is not None else init_params(mconfig, seed),
                                 self.mesh)
@@ -203,7 +212,8 @@ class ModelRunner:
                                                 bucket=bucket, rconfig=self.rconfig,
                                                 mconfig=self.mconfig,
                                                 attention_impl=self.attention_impl,
-                                                interpret=self.interpret, mesh=self.mesh)
+                                                interpret=self.interpret, mesh=self.mesh,
+                                                all_token_logits=self.all_token_logits)
                 self._compiled[bucket] = lowered.compile()
                 nxt, md = self._run(bucket, buf)  # the "capture" run
                 if self.debug:

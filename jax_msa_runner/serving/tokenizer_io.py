@@ -2,10 +2,11 @@
 model, and the incremental text of a generated token stream (with stop strings).
 
 ``Tokenizer`` is what the server needs of a tokenizer: ``encode(str) -> ids``,
-``decode(ids) -> str``, ``token_str(id)`` (a printable piece, distinct for every id: the
-keys of top logprobs), ``apply_chat_template(messages) -> str`` (raises
-``NoChatTemplateError`` where there is none), ``vocab_size`` and ``eos_token_id`` (None:
-none). A checkpoint's own tokenizer plugs into the same interface.
+``decode(ids) -> str`` (for every id below ``vocab_size``, which equals the model's),
+``token_str(id)`` (a printable piece, distinct for every id: the keys of top logprobs),
+``apply_chat_template(messages) -> str`` (raises ``NoChatTemplateError`` where there is
+none), ``vocab_size`` and ``eos_token_ids`` (ids that end a generation; may be empty). A
+checkpoint's own tokenizer plugs into the same interface.
 
 ``ByteTokenizer`` (the tiny model's): ids 0..255 are the bytes of the UTF-8 text; ids
 256..vocab_size-1 never come out of ``encode`` and decode to the placeholder ``<|id|>``.
@@ -35,7 +36,7 @@ class NoChatTemplateError(ValueError):
 
 class Tokenizer(Protocol):
     vocab_size: int
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -49,7 +50,7 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255; ids up to ``vocab_size - 1`` decode to ``<|id|>``."""
 
-    eos_token_id = None
+    eos_token_ids = ()  # no end-of-sequence token: generations end at max_tokens or a stop
 
     def __init__(self, vocab_size: int):
         if vocab_size < NUM_BYTES:

@@ -97,3 +97,30 @@ def test_fp8_index_cache_serves():
     chex.assert_shape(ik, (12, 128, 32))
     chex.assert_tree_all_finite(ik.astype(jnp.float32))
     assert float(jnp.abs(ik[2:].astype(jnp.float32)).max()) > 0  # request pages were written
+
+
+def test_all_token_logits_rows_and_sampling_agree():
+    """all_token_logits: last_logits holds every token's logits [T_bucket, V]; each row's
+    last-token logits are what it samples from (greedy = their argmax), as without it."""
+    mc = ModelConfig.tiny(num_layers=1, sparse_attention_freq=(1,), num_heads=4, head_dim=32,
+                          rotary_dim=16, index_dim=32)
+    rc = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+                      bucket_sizes=(32,))
+    outs = {}
+    for flag in (False, True):
+        runner = ModelRunner(mc, rc, num_pages=8, seed=5, attention_impl="reference",
+                             all_token_logits=flag)
+        runner.warm_up()
+        sched = Scheduler(SchedulerConfig.from_runner(rc, 8))
+        for i, n in enumerate((13, 7)):
+            sched.add_request(Request(i, tuple(range(3 * i, 3 * i + n)), 3))
+        batch = sched.schedule()
+        tokens = runner.execute(batch)
+        logits = np.asarray(runner.last_logits)
+        last = np.cumsum(batch.num_scheduled) - 1
+        rows = logits[last] if flag else logits[:2]
+        chex.assert_shape(logits, (32, mc.vocab_size) if flag else (4, mc.vocab_size))
+        npt.assert_array_equal(tokens, rows.argmax(-1))
+        outs[flag] = (tokens, rows)
+    npt.assert_array_equal(outs[False][0], outs[True][0])
+    npt.assert_allclose(outs[False][1], outs[True][1], rtol=1e-5, atol=1e-5)

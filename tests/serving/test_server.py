@@ -91,7 +91,7 @@ def offline_outputs(runner, cases):
     for i, k in enumerate(keys):
         prompt, params = cases[k]
         sched.add_request(make_request(i, prompt, params, seed=params.seed or 0,
-                                       eos_token_id=TOK.eos_token_id))
+                                       eos_token_ids=TOK.eos_token_ids))
     stats = serve(runner, sched)
     assert stats.compilations == 0
     return {k: list(sched.finished[i].output) for i, k in enumerate(keys)}
@@ -101,7 +101,7 @@ def offline_logits(runner, prompt, max_tokens):
     """(output ids, logits f32 [max_tokens, V] of every sampled step) of one greedy request."""
     sched = Scheduler(SchedulerConfig.from_runner(RC, RUNNER_PAGES))
     sched.add_request(make_request(0, prompt, GenerationParams(max_tokens=max_tokens), seed=0,
-                                   eos_token_id=None))
+                                   eos_token_ids=()))
     rows = []
     while sched.has_unfinished():
         batch = sched.schedule()
