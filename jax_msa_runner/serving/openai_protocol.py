@@ -287,7 +287,8 @@ def usage(num_prompt: int, num_output: int) -> dict:
 
 def completion_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer,
                         offsets: Sequence[int]) -> dict:
-    """The legacy completions logprobs object (keys are ``tokenizer.token_str`` pieces)."""
+    """The legacy completions logprobs object (keys are ``tokenizer.token_str`` pieces;
+    ``text_offset``: the output text's length when the token's step was delivered)."""
     return {"tokens": [tokenizer.token_str(e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{tokenizer.token_str(i): lp for i, lp in e.top} for e in entries],
