@@ -3,7 +3,8 @@
     python3 bench/serving.py --out DIR        (H200; defaults below; JSON to DIR/serving.json)
 
 Each point runs the runner's compiled step (``runner.serve_step``: on-device staging via
-``stage_packed``, the model, greedy sampling, in-place cache writes) on a pure decode batch:
+``stage_packed``, the model, on-device sampling (greedy rows, penalty-state bookkeeping,
+top-20 logprobs), in-place cache writes) on a pure decode batch:
 B requests, each with L - 1 cached tokens and one new token. Shapes are MiniMax-M3's per
 rank at TP4: Hq 16, Hkv 1, head dim 128, index heads 1, index dim 128, hidden 6144, bf16.
 A few layers are enough (attention cost is per layer): ``--layers`` (default 4), all MSA in
@@ -43,6 +44,7 @@ from jax_msa_runner.config import (FP8_INDEX_CACHE_DTYPE, RESERVED_PAGES, ModelC
                                    RunnerConfig)
 from jax_msa_runner.model import init_params
 from jax_msa_runner.serving.runner import pack_step_inputs, serve_step
+from jax_msa_runner.serving.sampling import SamplingRows, init_penalty_state
 from pallas_kernels import PAGE_SIZE
 
 INDEX_CACHE_DTYPES = ("bfloat16", FP8_INDEX_CACHE_DTYPE)
@@ -58,16 +60,16 @@ def bench_config(layers: int, index_cache_dtype: str = "bfloat16") -> ModelConfi
 
 def make_step(bucket, rconfig, mconfig, impl, mode):
     """The runner's step (``runner.serve_step``) for ``bucket`` with the attention mode exposed
-    (the runner serves MSA): (params, caches, host_buf) -> (next_tokens, caches), caches
-    donated."""
+    (the runner serves MSA): (params, caches, penalties, host_buf) -> (step output, caches,
+    penalties), caches and penalty state donated."""
     step = functools.partial(serve_step, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
                              attention_impl=impl, attention_mode=mode)
 
-    def tokens_and_caches(params, caches, host_buf):
-        nxt, _, caches, _ = step(params, caches, host_buf)
-        return nxt, caches
+    def tokens_and_caches(params, caches, penalties, host_buf):
+        out, _, caches, penalties, _ = step(params, caches, penalties, host_buf)
+        return out, caches, penalties
 
-    return jax.jit(tokens_and_caches, donate_argnums=1)
+    return jax.jit(tokens_and_caches, donate_argnums=(1, 2))
 
 
 def run_point(params, mconfig, batch, context, impl, mode, iters):
@@ -81,19 +83,21 @@ def run_point(params, mconfig, batch, context, impl, mode, iters):
     table = (first + np.arange(batch * pages_per_req)).reshape(batch, pages_per_req)
     packed = pack_host_batch(np.ones(batch, np.int64), np.full(batch, context - 1), table, bucket,
                              rconfig)
-    buf = jax.device_put(pack_step_inputs(packed, np.arange(batch) % mconfig.vocab_size,
-                                          np.zeros(batch), np.zeros(batch),
-                                          np.zeros(batch, np.float32), bucket))
+    penalties = init_penalty_state(batch, mconfig.vocab_size)
+    rows = SamplingRows.neutral(batch)._replace(slot=np.arange(batch, dtype=np.int32))
+    buf = jax.device_put(pack_step_inputs(packed, np.arange(batch) % mconfig.vocab_size, rows,
+                                          bucket))
     step = make_step(bucket, rconfig, mconfig, impl, mode)
     t0 = time.perf_counter()
-    nxt, caches = step(params, caches, buf)
+    nxt, caches, penalties = step(params, caches, penalties, buf)
     jax.block_until_ready(nxt)
     compile_s = time.perf_counter() - t0
-    state = {"caches": caches}
+    state = {"caches": caches, "penalties": penalties}
     del caches
 
     def one_step():
-        nxt, state["caches"] = step(params, state["caches"], buf)
+        nxt, state["caches"], state["penalties"] = step(params, state["caches"],
+                                                         state["penalties"], buf)
         jax.block_until_ready(nxt)
 
     times = host_latency_s(one_step, repeats=iters, warmup=2)

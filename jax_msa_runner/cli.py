@@ -69,6 +69,7 @@ def run_buckets(args: argparse.Namespace) -> int:
 def build_parser() -> tuple[FlagParser, dict[str, FlagParser]]:
     """The ``jax-msa-runner`` parser and its subcommands' parsers (``demo``, ``buckets``)."""
     from jax_msa_runner.demo import __doc__ as demo_doc, add_demo_args
+    from jax_msa_runner.serve_cli import add_serve_args
 
     parser = FlagParser(prog="jax-msa-runner", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,7 +87,9 @@ def build_parser() -> tuple[FlagParser, dict[str, FlagParser]]:
                               f"[1, {max_len}] (the default config's max_model_len)")
     buckets.add_argument("--repeats", type=bounded_int(1), default=20,
                          help="timed stagings per (bucket, kind) after the first (>= 1)")
-    return parser, {"demo": demo, "buckets": buckets}
+    serve = add_serve_args(sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (tiny model)"))
+    return parser, {"demo": demo, "buckets": buckets, "serve": serve}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,9 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.error("a command is required: demo or buckets")
+        parser.error("a command is required: demo, serve or buckets")
     if args.command == "demo":
         return run_demo_command(commands["demo"], args)
+    if args.command == "serve":
+        from jax_msa_runner.serve_cli import run_serve
+        return run_serve(args)
     return run_buckets(args)
 
 
