@@ -71,7 +71,8 @@ def test_only_attention_branches_on_dcp():
     batch/ and config.py hold the DCP metadata math and checks; the demo validates --dcp."""
     allowed = {"jax_msa_runner/attention", "jax_msa_runner/batch", "jax_msa_runner/config.py",
                "jax_msa_runner/demo.py"}
-    pattern = re.compile(r"\b(if|elif)\b[^\n]*(dcp_world_size|world_size)\b")
+    # a branch on whether DCP is on: `if ... world_size > 1`, `... if W == 1 else ...`
+    pattern = re.compile(r"\bif\b[^\n]*\b(dcp_world_size|world_size|W)\s*(>|==|!=|<=)\s*1\b")
     offenders = []
     for p in _package_files():
         rel = str(p.relative_to(ROOT))

@@ -78,11 +78,11 @@ def check_request_fits(config: SchedulerConfig, num_prompt_tokens: int,
     need = pages_needed(total - 1, c.dcp_world_size)
     usable = c.num_pages - len(RESERVED_PAGES)
     if need > usable:
-        per_rank = f" per rank (dcp_world_size={c.dcp_world_size})" if c.dcp_world_size > 1 else ""
         field = "prompt" if pages_needed(num_prompt_tokens, c.dcp_world_size) > usable \
             else "max_new_tokens"
         raise RequestRejectedError(
-            f"needs {need} KV pages{per_rank} but the cache has only {usable} usable pages "
+            f"needs {need} KV pages per rank (dcp_world_size={c.dcp_world_size}) but the cache "
+            f"has only {usable} usable pages "
             f"(num_pages={c.num_pages}); it can never fit", field)
 
 
