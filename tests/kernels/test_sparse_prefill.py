@@ -1,4 +1,4 @@
-"""Sparse prefill (spec section 5): kernel vs reference, numpy oracle, dense causal, decode.
+"""Sparse prefill: kernel vs reference, numpy oracle, dense causal attention, decode.
 
 Prefill rows have ``kv_len = position + 1``: a chunk of 34 tokens after a 2030-token prefix
 (crossing 2048, so the later rows select 16 of 17 blocks), a fresh 9-token prompt (its tile
