@@ -4,7 +4,7 @@ One mixed batch per configuration keeps the number of compilations small: kv len
 1, 127, 128, 129, 2047, 2048, 2049 and longer, a spec-decode request (q_len 3), padded
 rows, -1 / out-of-range ids inside the consumed range, the stale-position bug row
 (kv_len 4096 with [0, -1 x 15]), an all -1 row and a short selection, at whole-page and
-half-page loop steps (``keys_per_step`` 128 / 64).
+half-page loop steps (``keys_per_step`` 128 / 64), and valid ids in slots ``>= n_use``.
 
 Poison is a finite sentinel whose read shows: K = 0 (a score of 0, typical of the real keys)
 and V = 1000 (the real values are standard normal), so a key read that should not be moves
@@ -51,7 +51,7 @@ class Req:
 
     seq_len: int
     q_len: int = 1
-    edit: str | None = None  # None | minus1 | oob | stale | all_minus1 | short | dup | dcp
+    edit: str | None = None  # None | minus1 | oob | stale | all_minus1 | short | dup | dcp | beyond
 
 
 @dataclasses.dataclass
@@ -94,6 +94,8 @@ def _selection(rng, kv_len, edit):
         sel[min(1, n_use - 1)] = sel[0]
     elif edit == "dcp":  # a DCP rank's view: few valid ids scattered among -1s, -1 first
         sel[[s for s in range(n_use) if s % 3 != 1]] = -1
+    elif edit == "beyond":  # valid ids in the slots >= n_use: never consumed
+        sel[n_use:] = 0
     kept = [int(b) for b in sel[:n_use] if 0 <= b < n]
     return sel.astype(np.int32), kept
 
@@ -225,7 +227,7 @@ DECODE_REQS = (
     Req(300, q_len=3),                       # spec decode: kv_len 298, 299, 300
     Req(1000, edit="minus1"), Req(700, edit="oob"), Req(4096, edit="stale"),
     Req(3000, edit="all_minus1"), Req(5000, edit="short"), Req(250, q_len=2, edit="minus1"),
-    Req(600, edit="dup"),
+    Req(600, edit="dup"), Req(300, q_len=2, edit="beyond"),
 )
 IDENTITY_ROWS = (0, 1, 2, 3, 4, 5, 8, 9, 10)  # tokens of requests with kv_len <= 2048, unedited
 
