@@ -76,7 +76,7 @@ def _selection(rng, kv_len, edit):
     n_use = min(TOPK, n)
     if n <= TOPK:
         sel = np.concatenate([np.arange(n), -np.ones(TOPK - n, int)])
-    else:  # forced local block n-1, 15 others, ascending (spec section 3)
+    else:  # forced local block n-1, 15 others, ascending
         # block 0 never picked here (init_blocks = 0): a clamped slot then reads the null page
         others = rng.choice(np.arange(1, n - 1), TOPK - 1, replace=False)
         sel = np.sort(np.concatenate([others, [n - 1]]))

@@ -166,7 +166,7 @@ def perturb_one_page(inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarra
 
 # ----------------------------------------------------------------------------- float64 oracle
 def oracle_scores(inputs: dict[str, np.ndarray]) -> np.ndarray:
-    """Exact block scores [T, Hkv, P] float64 (spec section 2); -inf where nothing is visible."""
+    """Exact block scores [T, Hkv, P] float64; -inf where nothing is visible."""
     iq = bf16_to_f64(inputs["index_q"])
     ik = bf16_to_f64(inputs["index_k"])
     bt = inputs["block_table"]
@@ -179,7 +179,7 @@ def oracle_scores(inputs: dict[str, np.ndarray]) -> np.ndarray:
 
 def oracle_attention(inputs: dict[str, np.ndarray], selected: np.ndarray) -> np.ndarray:
     """Sparse attention [T, Hq, D] float64 over the given selection [T, Hkv, 16] (ids < 0
-    or >= ceil(kv_len / 128) contribute nothing), keys ``< kv_len`` (spec sections 4-5)."""
+    or >= ceil(kv_len / 128) contribute nothing), keys ``< kv_len``."""
     q = bf16_to_f64(inputs["q"])
     kv = bf16_to_f64(inputs["kv"])
     t, hq, d = q.shape
