@@ -9,7 +9,7 @@ bf16 index-K / KV caches and bf16 index queries / queries. Both sides get the sa
   -> ``sparse_decode`` (decode cases) or ``sparse_prefill`` (prefill cases);
 - vLLM: ``minimax_m3_index_decode`` + ``minimax_m3_sparse_attn_decode`` (decode) or
   ``minimax_m3_index_score`` + ``minimax_m3_index_topk`` + ``minimax_m3_sparse_attn``
-  (prefill), run by ``compare_vllm_side.py`` in a subprocess (``--vllm-python``; on CPU the
+  (prefill), run by ``tools/vllm_compare/vllm_side.py`` in a subprocess (``--vllm-python``; on CPU the
   ``.venv-vllm`` Python under Triton's interpreter, on a GPU compiled).
 
 Per case it reports: selection agreement as sets per (token, KV head); exact score ties
@@ -39,10 +39,10 @@ import numpy as np
 PAGE = 128
 TOPK = 16
 GROUP = 16  # query heads per KV head (MiniMax-M3)
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 DEFAULT_OPS_DIR = REPO / ".vllm_ops"
-VLLM_SIDE = pathlib.Path(__file__).resolve().with_name("compare_vllm_side.py")
+VLLM_SIDE = pathlib.Path(__file__).resolve().with_name("vllm_side.py")
 
 
 @dataclasses.dataclass(frozen=True)

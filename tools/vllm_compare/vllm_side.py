@@ -5,7 +5,7 @@ jax), so it runs in the comparison venv (Python 3.11, CPU torch, Triton interpre
 in any Python that has torch + triton (the GPU machine). Run by path, as a subprocess of
 ``tools.vllm_compare.compare``:
 
-    python jax_msa_runner/compare_vllm_side.py --ops-dir .vllm_ops --cases DIR [--device cuda]
+    python tools/vllm_compare/vllm_side.py --ops-dir .vllm_ops --cases DIR [--device cuda]
         [--names a,b] [--time-iters N]
 
 For each ``DIR/<name>.in.npz`` it writes ``DIR/<name>.vllm.npz`` (selection, output, times)
