@@ -26,9 +26,9 @@ address. A block id ``>= P`` (beyond the block table's width, only possible when
 narrower than ``kv_len`` needs) is treated like an out-of-range id. Keys ``blk * 128 + i`` are
 valid iff ``< kv_len``; invalid keys are removed with selects on the loaded scores and values.
 
-Non-finite values: a NaN (or inf) in a consumed, valid key or value reaches that row's output
-as it does in dense attention (NaN output; a NaN score also makes the row's lse NaN); the
-split merge and ``finalize`` keep it. A row without any valid key gives ``(0, -inf)``.
+NaN: a NaN in a consumed, valid key or value reaches that row's output as it does in dense
+attention (a NaN key also its lse), and no other row's; ``finalize`` and the split merge keep
+it. A row without any valid key gives ``(0, -inf)``.
 """
 from __future__ import annotations
 
