@@ -15,7 +15,7 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu_tests.log"
 if [[ $what != kernels ]]; then
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")  # 4 workers share the GPU
-  timeout 200 python3 -m pytest -q -p no:cacheprovider $xdist tests/kernels \
+  timeout ${TEST_TIMEOUT_S:-200} python3 -m pytest -q -p no:cacheprovider $xdist tests/kernels \
     tests/attention/test_msa_attention.py 2>&1 | tail -n 30 | tee -a "$out/gpu_tests.log"
   echo "pytest rc=${PIPESTATUS[0]} after ${SECONDS}s" | tee -a "$out/gpu_tests.log"
 fi
