@@ -306,17 +306,20 @@ def lse_merge_across(out: jax.Array, lse: jax.Array, axis_name: str = DCP_AXIS
 
     out [T, Hq, D] (normalised over the rank's keys), lse [T, Hq] f32 (-inf: no keys).
     Returns (out [T, Hq, D] f32, lse [T, Hq] f32), identical on every rank; rows without a
-    key anywhere give zeros and -inf.
+    key anywhere give zeros and -inf. NaN is never dropped: a rank's NaN lse makes the row's
+    output and lse NaN, a NaN in a rank's output makes those output elements NaN.
     """
-    m = lax.pmax(lse, axis_name)
+    nan_lse = jnp.isnan(lse)
+    m = lax.pmax(jnp.where(nan_lse, -jnp.inf, lse), axis_name)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - m_safe), 0.0)
+    w = jnp.where(nan_lse, jnp.nan, w)
     num = lax.psum(w[..., None] * out.astype(jnp.float32), axis_name)
     den = lax.psum(w, axis_name)
-    ok = den > 0
-    den_safe = jnp.where(ok, den, 1.0)
-    return (jnp.where(ok[..., None], num / den_safe[..., None], 0.0),
-            jnp.where(ok, m_safe + jnp.log(den_safe), -jnp.inf))
+    empty = den == 0                                                     # False for NaN
+    den_safe = jnp.where(empty, 1.0, den)
+    return (jnp.where(empty[..., None], 0.0, num / den_safe[..., None]),
+            jnp.where(empty, -jnp.inf, m_safe + jnp.log(den_safe)))
 
 
 def _rank_select(index_q, index_k, md, *, world_size, use_kernels, interpret, init_blocks):

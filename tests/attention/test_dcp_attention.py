@@ -19,7 +19,7 @@ from jax_msa_runner.attention.dense import paged_causal_attention
 from jax_msa_runner.attention.paged_cache import write_kv
 from jax_msa_runner.attention.dcp import (
     DCPError, check_config_mesh, dcp_dense_attention, dcp_index_select, dcp_msa_attention,
-    dcp_write_caches,
+    dcp_write_caches, lse_merge_across,
     mesh_for_config, make_dcp_mesh, merge_candidates, shard_paged_caches, shard_to_mesh,
     unshard_paged_caches)
 from jax_msa_runner.batch.staging import stage_batch, stage_dummy_batch
@@ -348,6 +348,43 @@ def test_merge_candidates_ties_and_rank_shares():
     tail = [-1] * 13
     chex.assert_trees_all_equal(np.asarray(glob)[0, 0], np.array([0, 2, 4] + tail, np.int32))
     chex.assert_trees_all_equal(np.asarray(local)[0, 0], np.array([0, 1, 2] + tail, np.int32))
+
+
+def _merge_on_mesh(out, lse, world_size):
+    mesh = make_dcp_mesh(world_size)
+    spec = jax.sharding.PartitionSpec("dcp")
+    merged = jax.shard_map(lambda o, l: lse_merge_across(o[0], l[0]), mesh=mesh,
+                           in_specs=(spec, spec), out_specs=(jax.sharding.PartitionSpec(),) * 2,
+                           check_vma=False)
+    return jax.jit(merged)(jnp.asarray(out), jnp.asarray(lse))
+
+
+def test_lse_merge_across_keeps_nan_and_matches_a_float64_merge():
+    """Finite rows equal the float64 merge; an empty row gives (0, -inf); a rank's NaN lse
+    makes its row NaN, a NaN output element stays NaN; other rows are untouched."""
+    w, t, h, d = 2, 5, 3, 4
+    rng = np.random.default_rng(11)
+    out = rng.standard_normal((w, t, h, d)).astype(np.float32)
+    lse = rng.standard_normal((w, t, h)).astype(np.float32)
+    lse[1, 1] = -np.inf           # row 1: only rank 0 has keys
+    lse[:, 2] = -np.inf           # row 2: no keys anywhere
+    out[:, 2] = 0.0
+    lse[0, 3, 0] = np.nan         # row 3 head 0: a NaN score on rank 0
+    out[1, 4, 1, 2] = np.nan      # row 4 head 1: a NaN value on rank 1
+    got_out, got_lse = _merge_on_mesh(out, lse, w)
+    got_out, got_lse = np.asarray(got_out), np.asarray(got_lse)
+    chex.assert_shape((got_out, got_lse), ((t, h, d), (t, h)))
+    l64 = lse[:, :2].astype(np.float64)  # the finite rows 0 and 1
+    wts = np.exp(l64 - l64.max(axis=0))
+    ref = (wts[..., None] * out[:, :2]).sum(0) / wts.sum(0)[..., None]
+    chex.assert_trees_all_close(got_out[:2], ref, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(got_lse[:2], np.log(np.exp(l64).sum(0)), rtol=1e-5)
+    chex.assert_trees_all_equal(got_out[2], np.zeros((h, d), np.float32))
+    assert np.all(got_lse[2] == -np.inf)
+    assert np.isnan(got_out[3, 0]).all() and np.isnan(got_lse[3, 0])
+    chex.assert_tree_all_finite(got_out[3, 1:])
+    assert np.isnan(got_out[4, 1, 2]) and np.isfinite(got_lse[4, 1])
+    chex.assert_tree_all_finite((got_out[4, 0], got_out[4, 2], got_out[4, 1, :2]))
 
 
 def test_invalid_dcp_settings_error():
