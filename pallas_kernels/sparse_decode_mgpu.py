@@ -107,7 +107,7 @@ def _cluster_fence(_ctx):
 
 
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
-                 num_cols, scale_log2, dtype):
+                 num_cols, scale_log2, dtype, interpreting):
     s_, ns, d = num_splits, num_stages, head_dim
     width = d // s_  # output columns merged and written by one CTA
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
@@ -209,7 +209,11 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             plgpu.wgmma(acc_ref, p_ref, v_smem.at[slot])
             return acc_ref[...]
 
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
+        if interpreting:  # the interpreter has no accumulator initialised from a value
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
+        else:  # accumulate in place: no second [64, D] f32 register tile
+            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_ref, v_smem.at[slot]))(
+                plgpu.ACC.init(acc))
         pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot))  # the slot is free again
         return acc, m_new, l_new
 
@@ -330,13 +334,15 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     if splits > 1:
         scratch += [plgpu.SMEM((ROWS, d // splits), q.dtype),               # out staging
                     plgpu.ClusterBarrier(collective_axes=("c",))]
+    interpret = _interpret_params(interpret)
     body = functools.partial(
         _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
-        num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype)
+        num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
+        interpreting=interpret is not None)
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(t, hkv), grid_names=("t", "h"),
-        interpret=_interpret_params(interpret), kernel_name="msa_sparse_decode_mgpu",
+        interpret=interpret, kernel_name="msa_sparse_decode_mgpu",
         **cluster)(req_indices, kv_lens, selected, block_table, qg, kv_cache)
     o, lse = outs[0], outs[1]
     return o[:, :, :g].reshape(t, hq, d), lse[:, :, :g].reshape(t, hq)
