@@ -25,6 +25,7 @@ no visible key gives zeros and ``lse = -inf``.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -86,15 +87,15 @@ def default_stages(head_dim: int, num_splits: int) -> int:
 
 
 def _interpret_params(interpret):
-    """``None``: interpret iff the default backend is not a GPU. ``True``/``False``, or an
-    ``InterpretGPUParams`` (fences inside the kernel are skipped when interpreting)."""
+    """``None``: interpret iff the default backend is not a GPU; ``True``/``False``; or an
+    ``InterpretGPUParams``. Interpreting skips the kernel's inline fences (``inline_mgpu``)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if interpret is True:
-        return plgpu.InterpretGPUParams(inline_mgpu="ignore")
     if interpret is False:
         return None
-    return interpret
+    if interpret is True:
+        return plgpu.InterpretGPUParams(inline_mgpu="ignore")
+    return dataclasses.replace(interpret, inline_mgpu="ignore")
 
 
 @plgpu.inline_mgpu()
@@ -207,13 +208,12 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
         def pv(acc_ref):
             plgpu.wgmma(acc_ref, p_ref, v_smem.at[slot])
-            return acc_ref[...]
 
         if interpreting:  # the interpreter has no accumulator initialised from a value
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
+            acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1],
+                                      plgpu.ACC((ROWS, d), jnp.float32))
         else:  # accumulate in place: no second [64, D] f32 register tile
-            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_ref, v_smem.at[slot]))(
-                plgpu.ACC.init(acc))
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
         pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot))  # the slot is free again
         return acc, m_new, l_new
 
