@@ -137,12 +137,11 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     n_blocks = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
     n_use = jnp.minimum(n_blocks, TOPK)
     bound = jnp.minimum(n_blocks, num_cols)
-    oks, blks, ranks = [], [], []
+    blks, ranks = [], []
     n_valid = jnp.int32(0)
     for j in range(TOPK):
         raw = sel_ref[t, h, j]
         ok = (j < n_use) & (raw >= 0) & (raw < bound)
-        oks.append(ok)
         blks.append(jnp.where(ok, raw, 0))  # boundary: before the block-table read
         ranks.append(jnp.where(ok, n_valid, TOPK))  # TOPK: picked by no step
         n_valid = n_valid + ok.astype(jnp.int32)
