@@ -1,0 +1,272 @@
+"""H200 benchmark: Mosaic GPU sparse decode against the Triton sparse decode, 16 shapes.
+
+Shapes: Hq/Hkv 16/1 and 64/4, D 128, B decode tokens in 1/16/64/128, every request at context
+L in 8192/65536 with a random page permutation, 16 distinct selected blocks per (token, KV
+head) including the local (last) block; bf16. Bytes per call: K and V of 16 pages per KV head,
+``B * Hkv * 16 * 128 * 256 * 2``.
+
+Timing (cold L2, GPU work only): one jitted executable holds ``reps`` copies of
+(flush; optimization_barrier; op; optimization_barrier), the flush a rewrite of 256 MiB (more
+than the 50 MiB L2); a second executable holds the same chain without the op. The op's time is
+the difference of their wall times over ``reps``; each figure is the median of ``--trials``
+runs of both. The barriers order each op between two flushes; all outputs stay live.
+
+Numerics: at each shape both kernels are compared with ``sparse_decode_reference`` (relative
+L2 error of out, max abs error of lse). The XLA kernel count of each op's own executable is
+printed too (entry instructions that launch work).
+
+Usage (GPU machine): python3 bench/decode_mgpu.py --out results.json [--reps 10] [--trials 5]
+  [--shapes 16/1/1/8192,...] [--sweep]  (--sweep also times every num_splits x num_stages)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import warnings
+
+import numpy as np
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
+                        category=DeprecationWarning)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference  # noqa: E402
+from pallas_kernels.sparse_decode_mgpu import (SPLITS, STAGES, default_splits,  # noqa: E402
+                                               default_stages, smem_bytes, SMEM_BYTES,
+                                               sparse_decode_mgpu)
+
+PAGE = 128
+TOPK = 16
+HEAD_DIM = 128
+HEAD_CONFIGS = ((16, 1), (64, 4))
+BATCHES = (1, 16, 64, 128)
+CONTEXTS = (8192, 65536)
+FLUSH_ELEMS = 64 * 1024 * 1024  # 256 MiB of f32
+SCALE = HEAD_DIM ** -0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    hq: int
+    hkv: int
+    batch: int
+    context: int
+
+    @property
+    def bytes(self) -> int:
+        return self.batch * self.hkv * TOPK * PAGE * 2 * HEAD_DIM * 2
+
+    def __str__(self) -> str:
+        return f"{self.hq}/{self.hkv}/{self.batch}/{self.context}"
+
+
+def all_shapes() -> list[Shape]:
+    return [Shape(hq, hkv, b, l) for hq, hkv in HEAD_CONFIGS for b in BATCHES for l in CONTEXTS]
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    return [Shape(*map(int, s.split("/"))) for s in text.split(",") if s]
+
+
+def make_inputs(shape: Shape, seed: int) -> tuple:
+    """(q, kv_cache, selected, block_table, req_indices, kv_lens) on the default device."""
+    blocks = shape.context // PAGE
+    num_pages = shape.batch * blocks + 1  # page 0 unused
+    ks = jax.random.split(jax.random.key(seed), 4)
+    perm = jax.random.permutation(ks[0], num_pages - 1) + 1
+    block_table = perm.reshape(shape.batch, blocks).astype(jnp.int32)
+    kv = jax.random.normal(ks[1], (num_pages, shape.hkv, PAGE, 2 * HEAD_DIM), jnp.bfloat16)
+    q = jax.random.normal(ks[2], (shape.batch, shape.hq, HEAD_DIM), jnp.bfloat16)
+    # 15 distinct random blocks + the local block, ascending (an indexer's top-16)
+    r = jax.random.uniform(ks[3], (shape.batch, shape.hkv, blocks - 1))
+    others = jax.lax.top_k(r, TOPK - 1)[1].astype(jnp.int32)
+    local = jnp.full((shape.batch, shape.hkv, 1), blocks - 1, jnp.int32)
+    selected = jnp.sort(jnp.concatenate([others, local], axis=-1), axis=-1)
+    kv_lens = jnp.full((shape.batch,), shape.context, jnp.int32)
+    req = jnp.arange(shape.batch, dtype=jnp.int32)
+    return q, kv, selected, block_table, req, kv_lens
+
+
+def _flush(buf):
+    return buf + 1.0
+
+
+def chain(fn, reps: int):
+    """``reps`` x (flush; barrier; fn; barrier) in one function of (buf, args)."""
+    def run(buf, args):
+        outs = []
+        for _ in range(reps):
+            buf = _flush(buf)
+            buf, args = jax.lax.optimization_barrier((buf, args))
+            if fn is not None:
+                out = fn(*args)
+                buf, out = jax.lax.optimization_barrier((buf, out))
+                outs.append(out)
+        return buf, outs
+    return run
+
+
+def time_op(fn, args, *, reps: int, trials: int) -> dict:
+    """Microseconds per call of ``fn(*args)``, cold L2: median over trials of
+    (wall(chain with fn) - wall(chain of flushes)) / reps."""
+    with_fn = jax.jit(chain(fn, reps), donate_argnums=0)
+    flush_only = jax.jit(chain(None, reps), donate_argnums=0)
+    buf = jnp.zeros((FLUSH_ELEMS,), jnp.float32)
+
+    def wall(step) -> float:
+        nonlocal buf
+        t0 = time.perf_counter()
+        buf, out = step(buf, args)
+        jax.block_until_ready((buf, out))
+        return time.perf_counter() - t0
+
+    wall(with_fn)
+    wall(flush_only)  # compile + warm up
+    samples = []
+    for _ in range(trials):
+        a = wall(with_fn)
+        b = wall(flush_only)
+        samples.append((a - b) / reps * 1e6)
+    del buf
+    return dict(us=statistics.median(samples), us_min=min(samples),
+                flush_us=b / reps * 1e6, samples=[round(s, 2) for s in samples])
+
+
+_LAUNCH_OPS = ("fusion", "custom-call", "copy", "reduce", "gather", "scatter", "sort",
+               "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "while", "slice",
+               "transpose", "select", "convert")
+
+
+def kernel_count(fn, args) -> int:
+    """Entry instructions of the compiled executable that launch work on the GPU."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    n = 0
+    for line in entry.splitlines()[1:]:
+        m = re.search(r"=\s*\S+\s+([a-z\-]+)\(", line)
+        if m and m.group(1) in _LAUNCH_OPS:
+            n += 1
+    return n
+
+
+def errors(out, lse, ref_out, ref_lse) -> dict:
+    o = np.asarray(out, np.float32)
+    r = np.asarray(ref_out, np.float32)
+    rel = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
+    return dict(rel_l2=rel, lse_max_abs=float(np.max(np.abs(np.asarray(lse) - np.asarray(ref_lse)))),
+                finite=bool(np.isfinite(o).all()))
+
+
+def mgpu_fn(**kw):
+    return lambda q, kv, sel, bt, req, lens: sparse_decode_mgpu(
+        q, kv, sel, bt, req, lens, scale=SCALE, interpret=False, **kw)
+
+
+def triton_fn(q, kv, sel, bt, req, lens):
+    return sparse_decode(q, kv, sel, bt, req, lens, scale=SCALE)
+
+
+def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool) -> dict:
+    args = make_inputs(shape, seed)
+    jax.block_until_ready(args)
+    ref = sparse_decode_reference(*args, scale=SCALE)
+    rows = shape.batch * shape.hkv
+    row = dict(shape=str(shape), hq=shape.hq, hkv=shape.hkv, batch=shape.batch,
+               context=shape.context, bytes=shape.bytes,
+               mgpu_config=dict(num_splits=default_splits(rows),
+                                num_stages=default_stages(HEAD_DIM, default_splits(rows))))
+    for name, fn in (("mgpu", mgpu_fn()), ("triton", triton_fn)):
+        try:
+            out = jax.jit(fn)(*args)
+            row[f"{name}_err"] = errors(*out, *ref)
+            row[f"{name}_kernels"] = kernel_count(fn, args)
+            row[name] = time_op(fn, args, reps=reps, trials=trials)
+        except Exception as e:  # a failing kernel must not hide the other shapes
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+    if "us" in row.get("mgpu", {}) and "us" in row.get("triton", {}):
+        row["speedup_vs_triton"] = row["triton"]["us"] / row["mgpu"]["us"]
+    if sweep:
+        row["sweep"] = []
+        for s in SPLITS:
+            for st in STAGES:
+                if st > -(-TOPK // s) or smem_bytes(HEAD_DIM, st, s) > SMEM_BYTES:
+                    continue
+                try:
+                    t = time_op(mgpu_fn(num_splits=s, num_stages=st), args, reps=reps,
+                                trials=max(1, trials // 2))["us"]
+                except Exception as e:
+                    t = f"{type(e).__name__}: {str(e)[:200]}"
+                row["sweep"].append(dict(num_splits=s, num_stages=st, us=t))
+    del args, ref
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| Hq/Hkv | B | L | mgpu us | triton us | triton/mgpu | mgpu TB/s | mgpu cfg "
+            "| mgpu rel L2 | triton rel L2 | kernels mgpu/triton |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        def us(k):
+            v = r.get(k, {}).get("us")
+            return f"{v:.1f}" if v is not None else "err"
+        m = r.get("mgpu", {}).get("us")
+        tbs = f"{r['bytes'] / (m * 1e-6) / 1e12:.2f}" if m else "-"
+        sp = f"{r['speedup_vs_triton']:.2f}x" if "speedup_vs_triton" in r else "-"
+        cfg = r["mgpu_config"]
+        err = lambda k: f"{r[k]['rel_l2']:.1e}" if k in r else "-"  # noqa: E731
+        lines.append(
+            f"| {r['hq']}/{r['hkv']} | {r['batch']} | {r['context']} | {us('mgpu')} | "
+            f"{us('triton')} | {sp} | {tbs} | S{cfg['num_splits']} st{cfg['num_stages']} | "
+            f"{err('mgpu_err')} | {err('triton_err')} | "
+            f"{r.get('mgpu_kernels', '-')}/{r.get('triton_kernels', '-')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON results path")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shapes", default="", help="comma list Hq/Hkv/B/L (default: all 16)")
+    ap.add_argument("--sweep", action="store_true")
+    a = ap.parse_args(argv)
+    shapes = parse_shapes(a.shapes) if a.shapes else all_shapes()
+    dev = jax.devices()[0]
+    result = dict(device=str(dev.device_kind), jax=jax.__version__,
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"), reps=a.reps, trials=a.trials,
+                  method="one executable: reps x (flush 256 MiB; barrier; op; barrier) minus "
+                         "reps x flush; median of trials", rows=[])
+    print(f"{dev.device_kind}, jax {jax.__version__}", flush=True)
+    for sh in shapes:
+        t0 = time.perf_counter()
+        row = bench_shape(sh, reps=a.reps, trials=a.trials, seed=a.seed, sweep=a.sweep)
+        row["bench_s"] = round(time.perf_counter() - t0, 1)
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(a.out, "w") as f:  # partial results survive a timeout
+            json.dump(result, f, indent=1)
+    ok = [r["speedup_vs_triton"] for r in result["rows"] if "speedup_vs_triton" in r]
+    if ok:
+        result["geomean_speedup_vs_triton"] = float(np.exp(np.mean(np.log(ok))))
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(result["rows"]))
+    if ok:
+        print(f"geomean triton/mgpu over {len(ok)} shapes: "
+              f"{result['geomean_speedup_vs_triton']:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""MSA sparse decode on the Pallas Mosaic GPU backend (Hopper): the API and semantics of
+:func:`pallas_kernels.sparse_decode.sparse_decode`, in one kernel launch.
+
+Kernel: grid ``(T, Hkv)``; each (token, KV head) row runs on a cluster of ``S = num_splits``
+CTAs of one warpgroup each. Every CTA reads the token's 16 block ids and metadata as scalars,
+applies the safety boundary, gathers the 16 page ids from the block table and ranks the
+consumed slots (stable order), so no later step has a dependent global load. CTA ``c`` of the
+cluster owns the consumed slots ``c, c + S, c + 2S, ...``: it streams their pages through a
+``num_stages``-deep ring of shared-memory buffers with TMA copies (K and V of a page, ``[128, D]``
+each, separate barriers; the page id is a dynamic TMA coordinate) and runs the online softmax
+(base 2, finite mask value) with wgmma: ``S = Q K^T`` with Q's GQA group padded to 64 rows,
+``P`` written over the consumed K buffer, ``acc += P V``. With ``S > 1`` each CTA stores its
+unnormalised state ``(acc [64, D], m [64], l [64])`` in f32 output buffers, the cluster meets at
+a cluster barrier (with acquire/release fences), and CTA ``c`` merges the ``S`` states for the
+head-dim columns ``[c * D / S, (c + 1) * D / S)`` and writes them: the split merge happens
+inside the kernel. Outputs leave through shared memory by TMA, only the group's real rows.
+
+Safety boundary (as the Triton kernel and the reference): a slot ``j`` is consumed iff
+``j < min(ceil(kv_len / 128), 16)`` and its block id is in ``[0, min(ceil(kv_len / 128), P))``;
+other slots are replaced by block 0 before the block-table read and never loaded. The request
+row is clamped to ``[0, R)`` and the page id to ``[0, N)``. Keys ``blk * 128 + i >= kv_len`` are
+masked, and their V rows are zeroed in shared memory before ``P V`` (0 * garbage stays 0).
+NaN in a consumed key or value reaches the row's output (no guard turns it into 0); a row with
+no visible key gives zeros and ``lse = -inf``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._shapes import PAGE_SIZE, TOPK
+from pallas_kernels.sparse_decode import validate_inputs
+
+ROWS = 64  # wgmma M of one warpgroup: the GQA group is padded to this many dot rows
+SPLITS = (1, 2, 4, 8)  # cluster sizes (8 is the portable maximum)
+STAGES = (1, 2, 3)
+HEAD_DIMS = (64, 128)  # multiples of the 64-element (128-byte) swizzle tile; register budget
+SMEM_BYTES = 227 * 1024  # H200 shared memory per CTA
+SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
+FILL_CTAS = 128  # default splits: smallest power of two with rows * splits >= this (max 8)
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+MASK = -1e30  # finite mask value for scores (base-2 units)
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit wgmma operands
+
+
+def padded_rows(num_q_heads: int, num_kv_heads: int) -> int:
+    """Rows of the group that are copied in and out: the GQA group rounded up to 8."""
+    g = num_q_heads // num_kv_heads
+    return -(-g // 8) * 8
+
+
+def default_splits(num_rows: int) -> int:
+    """Cluster size for ``num_rows = T * Hkv`` rows: the smallest power of two (<= 8) with
+    ``num_rows * splits >= 128`` CTAs, so small batches spread their pages over the SMs."""
+    splits = 1
+    while splits < SPLITS[-1] and num_rows * splits < FILL_CTAS:
+        splits *= 2
+    return splits
+
+
+def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2) -> int:
+    """Shared memory of one CTA: K and V rings, Q, the output/LSE staging, plus a reserve."""
+    ring = num_stages * 2 * PAGE_SIZE * head_dim * itemsize
+    q = ROWS * head_dim * itemsize
+    stage = 0 if num_splits == 1 else ROWS * (head_dim // num_splits) * itemsize
+    p = 0 if head_dim == PAGE_SIZE else ROWS * PAGE_SIZE * itemsize
+    return ring + q + p + stage + ROWS * 4 + SMEM_RESERVE
+
+
+def default_stages(head_dim: int, num_splits: int) -> int:
+    """Deepest ring (<= 3) that fits; a split never holds more than ``ceil(16 / S)`` pages."""
+    pages = -(-TOPK // num_splits)
+    for stages in (3, 2, 1):
+        if stages <= pages and smem_bytes(head_dim, stages, num_splits) <= SMEM_BYTES:
+            return stages
+    return 1
+
+
+def _interpret_params(interpret):
+    """``None``: interpret iff the default backend is not a GPU; ``True``/``False``; or an
+    ``InterpretGPUParams``. Interpreting skips the kernel's inline fences (``inline_mgpu``)."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if interpret is False:
+        return None
+    if interpret is True:
+        return plgpu.InterpretGPUParams(inline_mgpu="ignore")
+    return dataclasses.replace(interpret, inline_mgpu="ignore")
+
+
+@plgpu.inline_mgpu()
+def _cluster_fence(_ctx):
+    """Every thread: ``fence.acq_rel.cluster`` then a warpgroup barrier. Before a cluster
+    barrier arrival it publishes the thread's global stores to the cluster; after the wait it
+    orders the following loads after the peers' stores."""
+    mgpu_utils.inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
+    mgpu_utils.warpgroup_barrier()
+
+
+def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
+                 num_cols, scale_log2, dtype, interpreting):
+    s_, ns, d = num_splits, num_stages, head_dim
+    width = d // s_  # output columns merged and written by one CTA
+    req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
+    rest = refs[8:]
+    if s_ > 1:
+        opart_ref, mpart_ref, lpart_ref = rest[:3]
+        rest = rest[3:]
+    q_smem, k_smem, v_smem, lse_stage, kbar, vbar, qbar = rest[:7]
+    rest = rest[7:]
+    if d != PAGE_SIZE:  # P [64, 128] has K's [128, D] slot shape only when D == 128
+        p_smem, rest = rest[0], rest[1:]
+    o_stage, cbar = rest if s_ > 1 else (None, None)
+
+    t = lax.axis_index("t")
+    h = lax.axis_index("h")
+    c = lax.axis_index("c") if s_ > 1 else jnp.int32(0)
+
+    # Q: zero the padding rows, then TMA the group's rows in (independent of the metadata).
+    q_smem[...] = jnp.zeros((ROWS, d), dtype)
+    plgpu.commit_smem()
+    plgpu.copy_gmem_to_smem(q_ref.at[t, h], q_smem.at[pl.ds(0, group)], qbar)
+
+    # Metadata as scalars: the safety boundary, the page ids, the rank of each consumed slot.
+    kv_len = jnp.maximum(len_ref[t], 0)
+    req = jnp.clip(req_ref[t], 0, num_rows - 1)
+    n_blocks = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
+    n_use = jnp.minimum(n_blocks, TOPK)
+    bound = jnp.minimum(n_blocks, num_cols)
+    blks, ranks = [], []
+    n_valid = jnp.int32(0)
+    for j in range(TOPK):
+        raw = sel_ref[t, h, j]
+        ok = (j < n_use) & (raw >= 0) & (raw < bound)
+        blks.append(jnp.where(ok, raw, 0))  # boundary: before the block-table read
+        ranks.append(jnp.where(ok, n_valid, TOPK))  # TOPK: picked by no step
+        n_valid = n_valid + ok.astype(jnp.int32)
+    pages = [jnp.clip(bt_ref[req, b], 0, num_pages - 1) for b in blks]
+
+    def lookup(pos):
+        """(page id, block id) of the consumed slot of rank ``pos``."""
+        page = jnp.int32(0)
+        blk = jnp.int32(0)
+        for j in range(TOPK):
+            hit = ranks[j] == pos
+            page = jnp.where(hit, pages[j], page)
+            blk = jnp.where(hit, blks[j], blk)
+        return page, blk
+
+    n_mine = jnp.maximum(n_valid - c + s_ - 1, 0) // s_  # my ranks: c, c + S, ...
+
+    def issue(i, slot):
+        page, _ = lookup(c + i * s_)
+        plgpu.copy_gmem_to_smem(kv_ref.at[page, h, :, pl.ds(0, d)], k_smem.at[slot],
+                                kbar.at[slot])
+        plgpu.copy_gmem_to_smem(kv_ref.at[page, h, :, pl.ds(d, d)], v_smem.at[slot],
+                                vbar.at[slot])
+
+    for i in range(ns):
+        pl.when(i < n_mine)(functools.partial(issue, i, i))
+    plgpu.barrier_wait(qbar)
+
+    def step(i, carry):
+        acc, m, l = carry
+        slot = lax.rem(i, ns)
+        _, blk = lookup(c + i * s_)
+        n_keys = jnp.clip(kv_len - blk * PAGE_SIZE, 0, PAGE_SIZE)
+        plgpu.barrier_wait(kbar.at[slot])
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
+        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
+                                     layout=plgpu.Layout.WGMMA)
+        s = jnp.where(col < n_keys, s * scale_log2, MASK)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l_new = alpha * l + p.sum(axis=1)
+        # K of this slot is consumed: P goes over it (D == 128)
+        p_ref = k_smem.at[slot, pl.ds(0, ROWS)] if d == PAGE_SIZE else p_smem
+        p_ref[...] = p.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(vbar.at[slot])
+
+        @pl.when(n_keys < PAGE_SIZE)
+        def _zero_tail():  # keys past kv_len: V rows become 0 so that P V ignores them
+            v_ref = v_smem.at[slot]
+            row = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, d), 0,
+                                         layout=plgpu.Layout.WGMMA)
+            v_ref[...] = jnp.where(row < n_keys, v_ref[...], jnp.zeros((PAGE_SIZE, d), dtype))
+            plgpu.commit_smem()
+
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_ref, v_smem.at[slot])
+
+        if interpreting:  # the interpreter has no accumulator initialised from a value
+            acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1],
+                                      plgpu.ACC((ROWS, d), jnp.float32))
+        else:  # accumulate in place: no second [64, D] f32 register tile
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot))  # the slot is free again
+        return acc, m_new, l_new
+
+    init = (plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((ROWS,), MASK, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+    acc, m, l = lax.fori_loop(0, n_mine, step, init)
+
+    if s_ == 1:
+        m_all, l_all, acc_cols = m, l, acc
+    else:
+        # Publish this split's state, meet the cluster, merge columns [c*W, (c+1)*W).
+        opart_ref.at[t, h, c][...] = acc
+        mpart_ref.at[t, h, c][...] = m
+        lpart_ref.at[t, h, c][...] = l
+        _cluster_fence()
+        plgpu.barrier_arrive(cbar)
+        plgpu.barrier_wait(cbar)
+        _cluster_fence()
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        ms = [plgpu.load(mpart_ref.at[t, h, k], layout=row_layout, optimized=False)
+              for k in range(s_)]
+        ls = [plgpu.load(lpart_ref.at[t, h, k], layout=row_layout, optimized=False)
+              for k in range(s_)]
+        m_all = functools.reduce(jnp.maximum, ms)
+        l_all = jnp.zeros_like(m_all)
+        acc_cols = None
+        for k in range(s_):
+            w = jnp.exp2(ms[k] - m_all)
+            l_all = l_all + w * ls[k]
+            part = plgpu.load(opart_ref.at[t, h, k, :, pl.ds(c * width, width)],
+                              layout=plgpu.Layout.WGMMA, optimized=False)
+            term = part * lax.broadcast_in_dim(w, part.shape, [0])
+            acc_cols = term if acc_cols is None else acc_cols + term
+
+    # l == 0 only for a row with no visible key (acc is 0 there); NaN stays NaN.
+    l_div = jnp.where(l_all == 0.0, 1.0, l_all)
+    out = acc_cols / lax.broadcast_in_dim(l_div, acc_cols.shape, [0])
+    lse = jnp.where(l_all == 0.0, -jnp.inf, (m_all + jnp.log2(l_div)) * LN2)
+    stage = q_smem if s_ == 1 else o_stage  # Q is no longer read
+    stage[...] = out.astype(dtype)
+    lse_stage[...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, group)],
+                            o_ref.at[t, h, :, pl.ds(c * width, width)])
+    pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(lse_stage.at[pl.ds(0, group)],
+                                                   lse_ref.at[t, h]))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages"))
+def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
+                       interpret=None, num_splits=None, num_stages=None):
+    """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
+    :func:`pallas_kernels.sparse_decode.sparse_decode`.
+
+    Args:
+      q: ``[T, Hq, D]`` bf16/f16, D in {64, 128}, GQA group ``Hq / Hkv <= 64``.
+      kv_cache: ``[N, Hkv, 128, 2D]`` (K = ``[..., :D]``, V = ``[..., D:]``), q's dtype.
+      selected: ``[T, Hkv, 16]`` int32 block ids (-1 or out-of-range ids contribute nothing and
+        load nothing). block_table: ``[R, P]`` int32 page ids; req_indices ``[T]`` int32 rows of
+        it. kv_lens: ``[T]`` int32 visible keys per token (0 = padded row).
+      scale: softmax scale (static).
+      interpret: ``None`` interprets on a non-GPU backend; ``True``/``False``; or a
+        ``plgpu.InterpretGPUParams``.
+      num_splits: CTAs per (token, KV head) in {1, 2, 4, 8} (a cluster; merged in the kernel);
+        ``None``: :func:`default_splits`. num_stages: TMA ring depth in {1, 2, 3}; ``None``:
+        :func:`default_stages`.
+    Returns:
+      ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``, lse the natural-log LSE of the scaled
+      scores; rows without a visible key give zeros and -inf.
+    """
+    name = "sparse_decode_mgpu"
+    t, hq, d, n, hkv, r, p = validate_inputs(q, kv_cache, selected, block_table, req_indices,
+                                             kv_lens, name=name)
+    if jnp.dtype(q.dtype) not in _DTYPES:
+        raise TypeError(f"{name}: q dtype must be bf16 or f16 (wgmma operands), got {q.dtype}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"{name}: head dim D = q.shape[2] must be one of {HEAD_DIMS}, got {d}")
+    g = hq // hkv
+    if g > ROWS:
+        raise ValueError(f"{name}: GQA group Hq/Hkv = {g} exceeds {ROWS} rows per CTA")
+    splits = default_splits(t * hkv) if num_splits is None else num_splits
+    if splits not in SPLITS:
+        raise ValueError(f"{name}: num_splits must be one of {SPLITS}, got {splits}")
+    stages = default_stages(d, splits) if num_stages is None else num_stages
+    if stages not in STAGES:
+        raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
+    if smem_bytes(d, stages, splits) > SMEM_BYTES:
+        raise ValueError(f"{name}: num_stages {stages} with num_splits {splits} at D = {d} needs "
+                         f"{smem_bytes(d, stages, splits)} bytes: more than {SMEM_BYTES} bytes "
+                         f"of shared memory")
+    if t == 0:
+        return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
+
+    gp = padded_rows(hq, hkv)
+    qg = q.reshape(t, hkv, g, d)
+    if gp != g:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    out_type = [jax.ShapeDtypeStruct((t, hkv, gp, d), q.dtype),
+                jax.ShapeDtypeStruct((t, hkv, gp), jnp.float32)]
+    if splits > 1:
+        out_type += [jax.ShapeDtypeStruct((t, hkv, splits, ROWS, d), jnp.float32),
+                     jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32),
+                     jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32)]
+    scratch = [
+        plgpu.SMEM((ROWS, d), q.dtype, transforms=_TILE),                   # Q, then out (S=1)
+        plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),      # K ring, then P
+        plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),      # V ring
+        plgpu.SMEM((ROWS,), jnp.float32),                                   # lse staging
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(),
+    ]
+    if d != PAGE_SIZE:
+        scratch.append(plgpu.SMEM((ROWS, PAGE_SIZE), q.dtype, transforms=_TILE))  # P
+    if splits > 1:
+        scratch += [plgpu.SMEM((ROWS, d // splits), q.dtype),               # out staging
+                    plgpu.ClusterBarrier(collective_axes=("c",))]
+    interpret = _interpret_params(interpret)
+    body = functools.partial(
+        _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
+        num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
+        interpreting=interpret is not None)
+    cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
+    outs = plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(t, hkv), grid_names=("t", "h"),
+        interpret=interpret, kernel_name="msa_sparse_decode_mgpu",
+        **cluster)(req_indices, kv_lens, selected, block_table, qg, kv_cache)
+    o, lse = outs[0], outs[1]
+    return o[:, :, :g].reshape(t, hq, d), lse[:, :, :g].reshape(t, hq)
+
+
+__all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "smem_bytes",
+           "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS", "ROWS"]

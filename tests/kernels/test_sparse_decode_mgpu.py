@@ -1,0 +1,276 @@
+"""Mosaic GPU sparse decode against ``sparse_decode_reference``, and its CUDA lowering.
+
+On a CPU backend the kernel runs in Mosaic GPU interpret mode without being asked
+(``interpret=None``); on the H200 the same tests run it compiled. Each batch draws a fresh
+seed (printed on failure): random kv lengths (not multiples of 128), padded rows, -1 /
+out-of-range / repeated / unconsumed ids, several tokens per request. Every block-table entry
+that no token may consume (unselected blocks, blocks past a request's length, the last column
+where a wrapped -1 lands) points at a finite poison page (K = 0, V = 1000) at the last cache
+index (where a wrapped page id lands): a read of it shows in the output. Keys past a request's
+length hold NaN, so masking and the zeroing of V rows past ``kv_len`` are checked too.
+
+Interpreted clusters of more than 2 CTAs need as many concurrent XLA CPU threads: on a CPU
+backend those cases run in a subprocess with ``PJRT_NPROC`` raised.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import PAGE_SIZE, TOPK
+from pallas_kernels._lowering import lower_for_cuda
+from pallas_kernels.sparse_decode import sparse_decode_reference
+from pallas_kernels.sparse_decode_mgpu import (SMEM_BYTES, default_splits, default_stages,
+                                               smem_bytes, sparse_decode_mgpu)
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    """A kernel that raised inside the Mosaic GPU interpreter leaves its state behind; reset it
+    so one failure does not cascade into the next test."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+    yield
+POISON_V = 1000.0
+TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 output, P rounded to bf16 before P V
+
+
+def _fresh_seed() -> int:
+    return int(np.random.SeedSequence().entropy % (2 ** 31))
+
+
+def build_batch(seed, *, hq, hkv, d, tokens=3, pad_tokens=1, max_blocks=6, long_first=False,
+                dtype=jnp.bfloat16):
+    """``tokens`` decode tokens over ``tokens - 1`` requests (the last two share one) plus
+    ``pad_tokens`` padded tokens (kv_len 0) on a padded block-table row. Requests hold up to
+    ``max_blocks`` blocks; with ``long_first`` the first holds 17-20 (16 consumed slots of a
+    real top-16). Returns the six kernel arguments as numpy arrays and the poison page."""
+    rng = np.random.default_rng(seed)
+    n_req = max(1, tokens - 1)
+    seq = rng.integers(1, max_blocks * PAGE_SIZE, n_req)
+    if long_first:
+        seq[0] = rng.integers(16 * PAGE_SIZE + 1, 20 * PAGE_SIZE)
+    blocks = -(-seq // PAGE_SIZE)
+    ncols = int(blocks.max()) + 1  # the last column is never valid
+    tok_req = [min(i, n_req - 1) for i in range(tokens)]
+    kv_lens, sel = [], []
+    for i, r in enumerate(tok_req):
+        kv_len = int(seq[r]) if i < n_req else int(rng.integers(1, seq[r] + 1))
+        n = -(-kv_len // PAGE_SIZE)
+        rows = []
+        for _ in range(hkv):
+            row = rng.integers(0, n, TOPK)                          # repeats allowed
+            row[rng.random(TOPK) < 0.2] = -1
+            row[rng.integers(TOPK)] = rng.choice([n, n + 3, 100_000, -7])  # out of range
+            head = row[:min(n, TOPK)]
+            if not ((head >= 0) & (head < n)).any():  # at least one consumed slot
+                row[0] = rng.integers(0, n)
+            rows.append(row)
+        kv_lens.append(kv_len)
+        sel.append(np.stack(rows))
+    for _ in range(pad_tokens):
+        tok_req.append(n_req)
+        kv_lens.append(0)
+        sel.append(rng.integers(-1, 4, (hkv, TOPK)))
+    sel = np.stack(sel).astype(np.int32)
+    kv_lens = np.asarray(kv_lens, np.int32)
+    t = len(tok_req)
+    # Pages only for blocks some token consumes; every other entry is the poison page.
+    consumed = set()
+    for i in range(t):
+        n = -(-int(kv_lens[i]) // PAGE_SIZE)
+        for h in range(hkv):
+            for j in range(min(n, TOPK)):
+                if 0 <= sel[i, h, j] < n:
+                    consumed.add((tok_req[i], int(sel[i, h, j])))
+    for r in range(n_req):  # the partial last block gets a page too (its NaN tail)
+        consumed.add((r, int(blocks[r]) - 1))
+    consumed = sorted(consumed)
+    n_pages = len(consumed) + 3
+    poison = n_pages - 1
+    block_table = np.full((n_req + 1, ncols), poison, np.int32)
+    for (r, b), page in zip(consumed, rng.permutation(np.arange(1, poison))):
+        block_table[r, b] = page
+    kv = rng.standard_normal((n_pages, hkv, PAGE_SIZE, 2 * d)).astype(np.float32)
+    kv[poison, :, :, :d] = 0.0
+    kv[poison, :, :, d:] = POISON_V
+    for r in range(n_req):  # never written: keys past the request's length
+        tail = int(seq[r]) % PAGE_SIZE
+        if tail:
+            kv[block_table[r, blocks[r] - 1], :, tail:] = np.nan
+    q = rng.standard_normal((t, hq, d)).astype(np.float32)
+    args = (np.asarray(jnp.asarray(q, dtype)), np.asarray(jnp.asarray(kv, dtype)), sel,
+            block_table, np.asarray(tok_req, np.int32), kv_lens)
+    return args, poison
+
+
+def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first):
+    """Kernel vs reference on one fresh batch; raises AssertionError naming the seed."""
+    args, _ = build_batch(seed, hq=hq, hkv=hkv, d=d, long_first=long_first)
+    args = tuple(jnp.asarray(a) for a in args)
+    scale = d ** -0.5
+    out, lse = sparse_decode_mgpu(*args, scale=scale, num_splits=num_splits,
+                                  num_stages=num_stages)
+    ref_out, ref_lse = sparse_decode_reference(*args, scale=scale)
+    t = args[0].shape[0]
+    chex.assert_shape((out, lse), ((t, hq, d), (t, hq)))
+    assert out.dtype == args[0].dtype and lse.dtype == jnp.float32
+    chex.assert_tree_all_finite(out)
+    msg = f"seed {seed}, splits {num_splits}, stages {num_stages}"
+    assert float(jnp.max(jnp.abs(out.astype(jnp.float32)))) < 0.1 * POISON_V, \
+        f"poison page read ({msg})"
+    try:
+        chex.assert_trees_all_close(out.astype(jnp.float32), ref_out.astype(jnp.float32), **TOL)
+        chex.assert_trees_all_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
+    except AssertionError as e:
+        raise AssertionError(f"{msg}: {e}") from None
+    assert bool(jnp.all((lse == -jnp.inf) == (args[5][:, None] == 0))), msg
+
+
+# (hq, hkv, d, num_splits, num_stages, long_first): the 16/1 D=128 target layout with 16
+# consumed pages; GQA groups of 4 and 6 (padded to 8 rows), two KV heads, D=64; every ring.
+IN_PROCESS = [(16, 1, 128, 1, 3, True), (16, 1, 128, 2, 2, False), (8, 2, 64, 1, 1, False),
+              (12, 2, 64, 2, 1, False)]
+BIG_CLUSTERS = [(16, 1, 128, 8, 2, True), (8, 2, 64, 4, 2, False)]
+
+
+@pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", IN_PROCESS)
+def test_matches_reference(hq, hkv, d, num_splits, num_stages, long_first):
+    check_matches_reference(_fresh_seed(), hq, hkv, d, num_splits, num_stages, long_first)
+
+
+@pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", BIG_CLUSTERS)
+def test_matches_reference_big_clusters(hq, hkv, d, num_splits, num_stages, long_first):
+    seed = _fresh_seed()
+    if ON_GPU:
+        check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first)
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    case = json.dumps([seed, hq, hkv, d, num_splits, num_stages, long_first])
+    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+            "import test_sparse_decode_mgpu as m\n"
+            "m.check_matches_reference(*json.loads(sys.argv[3]))\n")
+    env = dict(os.environ, PJRT_NPROC="16", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code, root, here, case], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_nan_in_consumed_page_reaches_output_and_poison_shows(num_splits):
+    """Token 0: NaN in one consumed key -> its rows' out and lse are NaN. Token 1: NaN in
+    one consumed value row -> its out is NaN, its lse finite. Token 2: one slot consumes a
+    block whose table entry is the poison page -> V = 1000 shows. Other rows: unchanged."""
+    seed = _fresh_seed()
+    hq, hkv, d = 16, 1, 128
+    (q, kv, sel, bt, req, lens), poison = build_batch(seed, hq=hq, hkv=hkv, d=d, tokens=4)
+    kv = np.array(kv)
+    bt = np.array(bt)
+    sel = np.array(sel)
+    for tok, part in ((0, slice(0, d)), (1, slice(d, 2 * d))):
+        n = -(-int(lens[tok]) // PAGE_SIZE)
+        j = int(np.flatnonzero((sel[tok, 0, :min(n, TOPK)] >= 0)
+                               & (sel[tok, 0, :min(n, TOPK)] < n))[-1])  # a consumed slot
+        blk = int(sel[tok, 0, j])
+        key = min(PAGE_SIZE, int(lens[tok]) - blk * PAGE_SIZE) - 1  # a visible key
+        kv[bt[req[tok], blk], 0, key, part] = np.nan
+    # token 2 (request 2): point its first consumed block at the poison page
+    n2 = -(-int(lens[2]) // PAGE_SIZE)
+    sel[2, 0, 0] = n2 - 1
+    bt[req[2], n2 - 1] = poison
+    args = tuple(jnp.asarray(a) for a in (q, kv, sel, bt, req, lens))
+    out, lse = sparse_decode_mgpu(*args, scale=d ** -0.5, num_splits=num_splits)
+    ref_out, ref_lse = sparse_decode_reference(*args, scale=d ** -0.5)
+    out = np.asarray(out.astype(jnp.float32))
+    lse = np.asarray(lse)
+    msg = f"seed {seed}"
+    assert np.isnan(out[0]).all() and np.isnan(lse[0]).all(), msg
+    assert np.isnan(out[1]).all() and np.isfinite(lse[1]).all(), msg
+    assert (np.abs(out[2]) > 1.0).any() and np.isfinite(out[2]).all(), msg  # poison counted
+    chex.assert_trees_all_close(out[2:], np.asarray(ref_out[2:].astype(jnp.float32)), **TOL)
+    chex.assert_trees_all_close(lse[1:], np.asarray(ref_lse[1:]), atol=1e-3, rtol=1e-4)
+
+
+def test_empty_batch_and_all_padded_rows():
+    d = 64
+    z = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+    out, lse = sparse_decode_mgpu(jnp.zeros((0, 8, d), jnp.bfloat16),
+                                  jnp.zeros((3, 2, PAGE_SIZE, 2 * d), jnp.bfloat16),
+                                  z(0, 2, TOPK), z(1, 4), z(0), z(0), scale=1.0)
+    chex.assert_shape((out, lse), ((0, 8, d), (0, 8)))
+    q = jnp.ones((2, 8, d), jnp.bfloat16)
+    kv = jnp.full((3, 2, PAGE_SIZE, 2 * d), jnp.nan, jnp.bfloat16)  # never read
+    out, lse = sparse_decode_mgpu(q, kv, z(2, 2, TOPK), z(1, 4), z(2), z(2), scale=1.0,
+                                  num_splits=2)
+    chex.assert_trees_all_equal(out, jnp.zeros_like(q))
+    assert bool(jnp.all(lse == -jnp.inf))
+
+
+def _specs(t, hq, hkv, d=128, *, pages=4096, rows=128, cols=512, dtype=jnp.bfloat16):
+    s = jax.ShapeDtypeStruct
+    return (s((t, hq, d), dtype), s((pages, hkv, PAGE_SIZE, 2 * d), dtype),
+            s((t, hkv, TOPK), jnp.int32), s((rows, cols), jnp.int32), s((t,), jnp.int32),
+            s((t,), jnp.int32))
+
+
+@pytest.mark.parametrize("kw,match,exc", [
+    (dict(d=32), "head dim D", ValueError),
+    (dict(dtype=jnp.float32), "bf16 or f16", TypeError),
+    (dict(num_splits=16), "num_splits", ValueError),
+    (dict(num_stages=4), "num_stages", ValueError),
+    (dict(hq=128), "GQA group Hq/Hkv = 128 exceeds 64", ValueError),
+])
+def test_rejects_unsupported_arguments(kw, match, exc):
+    d, dtype, hq = kw.pop("d", 128), kw.pop("dtype", jnp.bfloat16), kw.pop("hq", 16)
+    with pytest.raises(exc, match=match):
+        lower_for_cuda(sparse_decode_mgpu, *_specs(4, hq, 1, d, dtype=dtype), scale=1.0,
+                       interpret=False, **kw)
+
+
+def test_default_config_fits_shared_memory():
+    assert [default_splits(r) for r in (1, 4, 16, 63, 64, 65, 128, 512)] == \
+        [8, 8, 8, 4, 2, 2, 1, 1]
+    for splits in (1, 2, 4, 8):
+        for d in (64, 128):
+            assert smem_bytes(d, default_stages(d, splits), splits) <= SMEM_BYTES
+            for stages in (1, 2, 3):  # every allowed ring fits
+                assert smem_bytes(d, stages, splits) <= SMEM_BYTES
+    assert default_stages(128, 1) == 3 and default_stages(128, 8) == 2
+
+
+def _mosaic_calls(text):
+    return [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 1), (64, 4)])
+@pytest.mark.parametrize("batch", [1, 16, 64, 128])
+def test_lowers_for_h200_as_one_kernel(hq, hkv, batch):
+    """The benchmark shapes lower to exactly one Mosaic GPU custom call and no other op that
+    would be a kernel launch (the split merge is inside the kernel)."""
+    text = lower_for_cuda(sparse_decode_mgpu, *_specs(batch, hq, hkv, pages=65536,
+                                                      cols=65536 // PAGE_SIZE),
+                          scale=128 ** -0.5, interpret=False)
+    calls = _mosaic_calls(text)
+    assert len(calls) == 1 and "@mosaic_gpu" in calls[0], calls
+    for op in ("stablehlo.pad", "stablehlo.concatenate", "stablehlo.reduce", "stablehlo.gather",
+               "stablehlo.dynamic_slice", "stablehlo.while"):
+        assert op not in text, op
+
+
+@pytest.mark.parametrize("num_splits,num_stages", [(1, 1), (1, 2), (2, 3), (4, 1), (8, 2)])
+def test_tunables_lower_for_h200(num_splits, num_stages):
+    text = lower_for_cuda(sparse_decode_mgpu, *_specs(16, 64, 4), scale=1.0, interpret=False,
+                          num_splits=num_splits, num_stages=num_stages)
+    assert len(_mosaic_calls(text)) == 1
