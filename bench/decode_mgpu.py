@@ -5,15 +5,13 @@ L in 8192/65536 with a random page permutation, 16 distinct selected blocks per 
 head) including the local (last) block; bf16. Bytes per call: K and V of 16 pages per KV head,
 ``B * Hkv * 16 * 128 * 256 * 2``.
 
-Timing (cold L2, GPU work only): one jitted executable holds ``reps`` copies of
-(flush; optimization_barrier; op; optimization_barrier), the flush a rewrite of 256 MiB (more
-than the 50 MiB L2); a second executable holds the same chain without the op. The op's time is
-the difference of their wall times over ``reps``; each figure is the median of ``--trials``
-runs of both. The barriers order each op between two flushes; all outputs stay live.
+Timing: ``_common.time_jax`` with a cold L2 (the one timer of the bench scripts: one
+executable of (256 MiB flush; op) dispatched ``--reps`` times minus the flush-only executable;
+the median of ``--trials`` samples).
 
 Numerics: at each shape both kernels are compared with ``sparse_decode_reference`` (relative
 L2 error of out, max abs error of lse). The XLA kernel count of each op's own executable is
-printed too (entry instructions that launch work).
+printed too (``_common.hlo_kernel_count``).
 
 Usage (GPU machine): python3 bench/decode_mgpu.py --out results.json [--reps 10] [--trials 5]
   [--shapes 16/1/1/8192,...] [--sweep]  (--sweep also times every num_splits x num_stages)
@@ -23,21 +21,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import re
-import statistics
 import sys
 import time
-import warnings
 
 import numpy as np
 
-warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
-                        category=DeprecationWarning)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
+import _common  # noqa: F401  (first: the repository on sys.path, the known warning filtered)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from _common import (hlo_kernel_count, non_negative_int, positive_int,  # noqa: E402
+                     time_jax)
 
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference  # noqa: E402
 from pallas_kernels.sparse_decode_mgpu import (SPLITS, STAGES, default_splits,  # noqa: E402
@@ -96,67 +89,16 @@ def make_inputs(shape: Shape, seed: int) -> tuple:
     return q, kv, selected, block_table, req, kv_lens
 
 
-def _flush(buf):
-    return buf + 1.0
-
-
-def chain(fn, reps: int):
-    """``reps`` x (flush; barrier; fn; barrier) in one function of (buf, args)."""
-    def run(buf, args):
-        outs = []
-        for _ in range(reps):
-            buf = _flush(buf)
-            buf, args = jax.lax.optimization_barrier((buf, args))
-            if fn is not None:
-                out = fn(*args)
-                buf, out = jax.lax.optimization_barrier((buf, out))
-                outs.append(out)
-        return buf, outs
-    return run
-
-
 def time_op(fn, args, *, reps: int, trials: int) -> dict:
-    """Microseconds per call of ``fn(*args)``, cold L2: median over trials of
-    (wall(chain with fn) - wall(chain of flushes)) / reps."""
-    with_fn = jax.jit(chain(fn, reps), donate_argnums=0)
-    flush_only = jax.jit(chain(None, reps), donate_argnums=0)
-    buf = jnp.zeros((FLUSH_ELEMS,), jnp.float32)
-
-    def wall(step) -> float:
-        nonlocal buf
-        t0 = time.perf_counter()
-        buf, out = step(buf, args)
-        jax.block_until_ready((buf, out))
-        return time.perf_counter() - t0
-
-    wall(with_fn)
-    wall(flush_only)  # compile + warm up
-    samples = []
-    for _ in range(trials):
-        a = wall(with_fn)
-        b = wall(flush_only)
-        samples.append((a - b) / reps * 1e6)
-    del buf
-    return dict(us=statistics.median(samples), us_min=min(samples),
-                flush_us=b / reps * 1e6, samples=[round(s, 2) for s in samples])
-
-
-_LAUNCH_OPS = ("fusion", "custom-call", "copy", "reduce", "gather", "scatter", "sort",
-               "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "while", "slice",
-               "transpose", "select", "convert")
+    """Microseconds per call of ``fn(*args)`` with a cold L2 (``_common.time_jax``)."""
+    t = time_jax(fn, args, n=reps, trials=trials, l2="cold")
+    return dict(us=t.us, samples=[round(x * 1e6, 2) for x in t.samples_s],
+                host_us_per_call=t.host_us_per_call, flush_us=t.flush_us, gpu_bound=t.gpu_bound)
 
 
 def kernel_count(fn, args) -> int:
-    """Entry instructions of the compiled executable that launch work on the GPU."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    entry = text[text.index("ENTRY"):]
-    entry = entry[:entry.index("\n}")]
-    n = 0
-    for line in entry.splitlines()[1:]:
-        m = re.search(r"=\s*\S+\s+([a-z\-]+)\(", line)
-        if m and m.group(1) in _LAUNCH_OPS:
-            n += 1
-    return n
+    """GPU kernels of the compiled op (``_common.hlo_kernel_count``)."""
+    return hlo_kernel_count(jax.jit(fn).lower(*args).compile().as_text())["total"]
 
 
 def errors(out, lse, ref_out, ref_lse) -> dict:
@@ -235,9 +177,9 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON results path")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=positive_int, default=20)
+    ap.add_argument("--trials", type=positive_int, default=3)
+    ap.add_argument("--seed", type=non_negative_int, default=0)
     ap.add_argument("--shapes", default="", help="comma list Hq/Hkv/B/L (default: all 16)")
     ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args(argv)
@@ -245,8 +187,9 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     result = dict(device=str(dev.device_kind), jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), reps=a.reps, trials=a.trials,
-                  method="one executable: reps x (flush 256 MiB; barrier; op; barrier) minus "
-                         "reps x flush; median of trials", rows=[])
+                  method="_common.time_jax, cold L2: (256 MiB flush; op) executable dispatched "
+                         "reps x minus the flush-only executable reps x; median of trials",
+                  rows=[])
     print(f"{dev.device_kind}, jax {jax.__version__}", flush=True)
     for sh in shapes:
         t0 = time.perf_counter()
@@ -256,7 +199,7 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
         with open(a.out, "w") as f:  # partial results survive a timeout
             json.dump(result, f, indent=1)
-    ok = [r["speedup_vs_triton"] for r in result["rows"] if "speedup_vs_triton" in r]
+    ok = [r["speedup_vs_triton"] for r in result["rows"] if r.get("speedup_vs_triton", 0) > 0]
     if ok:
         result["geomean_speedup_vs_triton"] = float(np.exp(np.mean(np.log(ok))))
     with open(a.out, "w") as f:
