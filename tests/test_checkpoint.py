@@ -1,0 +1,166 @@
+"""checkpoint.load: both key schemes, text and VL, shards, dtypes, sharding, and its errors."""
+import json
+import logging
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from safetensors.numpy import load_file, save_file
+
+from _checkpoint_writer import BF16, write_checkpoint
+from jax_msa_runner.checkpoint import CheckpointError, load
+from jax_msa_runner.config import ModelConfig
+from jax_msa_runner.model import init_params
+
+CFG = ModelConfig.tiny(num_layers=3, sparse_attention_freq=(0, 1, 1), moe_layer_freq=(0, 1, 1),
+                       vocab_size=97, hidden_size=40, num_heads=4, num_kv_heads=2,
+                       num_index_heads=2, head_dim=16, rotary_dim=8, index_dim=16,
+                       intermediate_size=24, num_experts=5, num_experts_per_tok=2,
+                       moe_intermediate_size=12, shared_intermediate_size=20)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, seed=7)
+
+
+@pytest.mark.parametrize("scheme, vl, shards", [("transformers", False, 1), ("released", False, 3),
+                                                ("released", True, 2), ("transformers", True, 1)])
+def test_round_trip(tmp_path, params, caplog, scheme, vl, shards):
+    write_checkpoint(tmp_path, params, CFG, scheme=scheme, num_shards=shards, vl=vl)
+    with caplog.at_level(logging.INFO, logger="jax_msa_runner.checkpoint"):
+        config, loaded = load(tmp_path, dtype="float32")
+    assert config == CFG
+    chex.assert_trees_all_equal_structs(loaded, params)
+    chex.assert_trees_all_equal(loaded, params)
+    lines = [r.getMessage() for r in caplog.records]
+    if vl:  # one line for everything skipped
+        assert len(lines) == 1 and "skipped 3 weights (vision: 2, MTP: 1)" in lines[0], lines
+    else:
+        assert lines == []
+
+
+def test_bf16_storage_and_dtypes(tmp_path, params):
+    written = write_checkpoint(tmp_path, params, CFG, scheme="released", store_dtype=BF16)
+    config, loaded = load(tmp_path, dtype="bfloat16")
+    assert config.dtype == "bfloat16"
+    layer = loaded["layers"][1]
+    assert layer["router"].dtype == jnp.float32 and layer["router_bias"].dtype == jnp.float32
+    assert layer["experts_gate_up"].dtype == jnp.bfloat16 and loaded["embed"].dtype == jnp.bfloat16
+    w1 = written["model.layers.1.block_sparse_moe.experts.3.w1.weight"]  # [I, H] bf16
+    np.testing.assert_array_equal(np.asarray(layer["experts_gate_up"][3, :, :12]), w1.T)
+    _, as_f32 = load(tmp_path, dtype="float32")  # bf16 values widened exactly
+    np.testing.assert_array_equal(np.asarray(as_f32["layers"][1]["experts_gate_up"][3, :, :12]),
+                                  w1.T.astype(np.float32))
+
+
+def test_sharding_callback_places_each_param(tmp_path, params):
+    write_checkpoint(tmp_path, params, CFG, scheme="transformers", num_shards=2)
+    devs = jax.devices()
+    assert len(devs) >= 2, "tests/conftest.py provides several host devices"
+    mesh = Mesh(np.array(devs[:2]), ("x",))
+    split_h = NamedSharding(mesh, P(None, "x"))  # experts split over hidden (40 / 2)
+    calls = []
+
+    def sharding(path, shape):
+        calls.append((path, shape))
+        if path.endswith("experts_gate_up"):
+            return split_h
+        return jax.sharding.SingleDeviceSharding(devs[1]) if path == "embed" else None
+
+    _, loaded = load(tmp_path, dtype="float32", sharding=sharding)
+    assert ("layers.1.experts_gate_up", (5, 40, 24)) in calls
+    assert len(calls) == len(jax.tree.leaves(params))
+    gu = loaded["layers"][2]["experts_gate_up"]
+    assert gu.sharding == split_h and len(gu.addressable_shards) == 2
+    assert {s.data.shape for s in gu.addressable_shards} == {(5, 20, 24)}
+    assert loaded["embed"].devices() == {devs[1]}
+    assert loaded["layers"][2]["experts_down"].devices() == {devs[0]}
+    chex.assert_trees_all_equal(jax.device_get(loaded), jax.device_get(params))
+
+
+def test_num_layers_truncation_skips_later_layers(tmp_path, params, caplog):
+    write_checkpoint(tmp_path, params, CFG, scheme="released")
+    with caplog.at_level(logging.INFO, logger="jax_msa_runner.checkpoint"):
+        config, loaded = load(tmp_path, dtype="float32", num_layers=2)
+    assert config.num_layers == 2 and len(loaded["layers"]) == 2
+    chex.assert_trees_all_equal(loaded["layers"][1], params["layers"][1])
+    assert "layers past num_layers" in caplog.records[0].getMessage()
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+def _rewrite(folder, fn):
+    path = os.path.join(folder, "model.safetensors")
+    tensors = fn(load_file(path))
+    save_file(tensors, path)
+
+
+def test_missing_key(tmp_path, params):
+    write_checkpoint(tmp_path, params, CFG, scheme="released")
+    key = "model.layers.2.block_sparse_moe.experts.4.w3.weight"
+    _rewrite(tmp_path, lambda t: {k: v for k, v in t.items() if k != key})
+    with pytest.raises(CheckpointError, match=rf"^missing key '{key}' \(expected shape \(12, 40\)\) "
+                                              r"for param 'layers.2.experts_gate_up'"):
+        load(tmp_path, dtype="float32")
+
+
+def test_missing_key_transformers_scheme(tmp_path, params):
+    write_checkpoint(tmp_path, params, CFG, scheme="transformers")
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    _rewrite(tmp_path, lambda t: {k: v for k, v in t.items() if k != key})
+    with pytest.raises(CheckpointError, match=rf"^missing key '{key}' \(expected shape \(5,\)\)"):
+        load(tmp_path, dtype="float32")
+
+
+def test_unexpected_key(tmp_path, params):
+    write_checkpoint(tmp_path, params, CFG, scheme="transformers")
+    key = "model.layers.0.self_attn.sinks"
+    _rewrite(tmp_path, lambda t: {**t, key: np.zeros(4, np.float32)})
+    with pytest.raises(CheckpointError, match=rf"^unexpected key '{key}': not a weight of this "
+                                              r"3-layer model"):
+        load(tmp_path, dtype="float32")
+    # an expert past num_local_experts is unexpected too
+    write_checkpoint(tmp_path / "r", params, CFG, scheme="released")
+    key = "model.layers.1.block_sparse_moe.experts.5.w2.weight"
+    _rewrite(tmp_path / "r", lambda t: {**t, key: np.zeros((40, 12), np.float32)})
+    with pytest.raises(CheckpointError, match=rf"^unexpected key '{key}'"):
+        load(tmp_path / "r", dtype="float32")
+
+
+def test_wrong_shape(tmp_path, params):
+    write_checkpoint(tmp_path, params, CFG, scheme="transformers")
+    key = "model.layers.1.mlp.experts.down_proj"
+    _rewrite(tmp_path, lambda t: {**t, key: np.zeros((5, 40, 13), np.float32)})
+    with pytest.raises(CheckpointError, match=rf"^wrong shape for '{key}': checkpoint has "
+                                              r"\(5, 40, 13\), the config expects \(5, 40, 12\)"):
+        load(tmp_path, dtype="float32")
+
+
+@pytest.mark.parametrize("keep", [0.999, 0.5, 0.001])
+def test_truncated_file(tmp_path, params, keep):
+    write_checkpoint(tmp_path, params, CFG, scheme="transformers", num_shards=2)
+    path = os.path.join(tmp_path, "model-00002-of-00002.safetensors")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:max(1, int(len(data) * keep))])
+    with pytest.raises(CheckpointError, match=rf"^{path}: not a complete safetensors file, "
+                                              r"truncated or corrupt"):
+        load(tmp_path, dtype="float32")
+
+
+def test_folder_errors(tmp_path, params):
+    with pytest.raises(CheckpointError, match="not a checkpoint folder"):
+        load(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load(tmp_path)
+    write_checkpoint(tmp_path, params, CFG, scheme="transformers", num_shards=2)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = "model-00003-of-00003.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="lists shard 'model-00003-of-00003.safetensors', "
+                                              "which is not in"):
+        load(tmp_path)
