@@ -4,6 +4,7 @@
 - buckets: stages every bucket of the default RunnerConfig with each dummy kind and
   validates it (the metadata table).
 - compare: the comparison against vLLM 0.33.0's operators (tools.vllm_compare.compare).
+- logits: full-prompt logits of a checkpoint through the serving path (jax_msa_runner.logits).
 """
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="profiling override L of the dummy sequence length")
     buckets.add_argument("--repeats", type=int, default=20,
                          help="timed stagings per (bucket, kind) after the first")
+    from jax_msa_runner.logits import add_logits_args, run_logits
+    add_logits_args(sub.add_parser("logits", help="full-prompt logits of a checkpoint (.npy)"))
     compare = sub.add_parser("compare", help="compare against the reference implementation",
                              add_help=False)
     compare.add_argument("rest", nargs=argparse.REMAINDER)
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         from tools.vllm_compare.compare import main as compare_main
         return compare_main(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "logits":
+        return run_logits(args)
     return run_demo(args) if args.command == "demo" else run_buckets(args)
 
 

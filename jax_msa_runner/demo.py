@@ -6,6 +6,10 @@ requests, prompt and output tokens/s, step latency p50/p99, compilations after w
 (must be 0) and the metadata validation result (``--debug`` validates every step).
 ``--index-cache-dtype float8_e4m3fn`` keeps the index-K cache in fp8 (default: the model dtype).
 
+``--checkpoint DIR`` serves a Hugging Face MiniMax-M3 checkpoint instead of the tiny model;
+when the folder has a tokenizer, the prompts are text (``--prompt``, repeatable) and the
+outputs are printed as text.
+
 ``--dcp W`` serves with decode context parallelism over W devices (spec section 7): every
 request's context is split page-wise over the ranks, ``--num-pages`` counts pages per
 rank. On CPU the W devices are host devices: the demo adds
@@ -16,6 +20,7 @@ which flag to set and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -51,6 +56,12 @@ def add_demo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="index-K cache dtype (auto: the model dtype; float8_e4m3fn: raw fp8 keys "
                         "the indexer upcasts)")
     g.add_argument("--debug", action="store_true", help="validate every step's metadata")
+    g.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="serve this Hugging Face checkpoint folder instead of the tiny model")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="model dtype with --checkpoint")
+    g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="a text prompt (repeatable; needs a checkpoint with a tokenizer)")
     g.add_argument("--dcp", type=int, default=1, metavar="W",
                    help="decode context parallel ranks (devices); on CPU host devices via "
                         "XLA_FLAGS=--xla_force_host_platform_device_count=W")
@@ -85,6 +96,24 @@ def _workload(args, vocab: int) -> list[Request]:
     return [reqs[j] for j in order]
 
 
+DEFAULT_PROMPTS = ("The quick brown fox", "Sparse attention reads sixteen pages",
+                   "Once upon a time", "A mixture of experts")
+
+
+def _text_workload(args, tok, vocab: int) -> list[Request]:
+    """One greedy request per text prompt (``--prompt``, else DEFAULT_PROMPTS)."""
+    reqs = []
+    for i, text in enumerate(args.prompt or DEFAULT_PROMPTS):
+        ids = tok.encode(text)
+        if not ids or max(ids) >= vocab:
+            raise ValueError(f"--prompt {text!r}: tokenizes to ids {ids[:8]}..., which must be "
+                             f"non-empty and < the model's vocab_size={vocab}")
+        reqs.append(Request(i, tuple(ids), args.output_len, temperature=args.temperature,
+                            seed=args.seed * 100_003 + i,
+                            eos_token_id=tok.eos_token_ids[0] if tok.eos_token_ids else None))
+    return reqs
+
+
 def _bar(done: int, total: int, step: int, width: int = 30) -> str:
     filled = width * done // max(total, 1)
     return f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests, step {step}"
@@ -94,7 +123,18 @@ def run_demo(args: argparse.Namespace) -> int:
     """Serve the synthetic workload and print the summary; returns a process exit code."""
     layers = {} if args.num_layers is None else dict(
         num_layers=args.num_layers, sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1))
-    mc = ModelConfig.tiny(index_cache_dtype=args.index_cache_dtype, **layers)
+    params, tok = None, None
+    if args.checkpoint:
+        from jax_msa_runner.checkpoint import load
+        from jax_msa_runner.tokenizer import load_tokenizer
+        mc, params = load(args.checkpoint, dtype=args.dtype, num_layers=args.num_layers)
+        mc = dataclasses.replace(mc, index_cache_dtype=args.index_cache_dtype)
+        tok = load_tokenizer(args.checkpoint)
+    else:
+        mc = ModelConfig.tiny(index_cache_dtype=args.index_cache_dtype, **layers)
+    if args.prompt and tok is None:
+        print("error: --prompt needs --checkpoint DIR with a tokenizer.json")
+        return 2
     budget = args.max_num_batched_tokens
     # few buckets keep start-up short; decode batches pad up to the next one
     sizes = tuple(s for s in (8, 32, 128, 512) if s < budget) + (budget,)
@@ -102,11 +142,15 @@ def run_demo(args: argparse.Namespace) -> int:
     request_host_devices(W)
     rc = RunnerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                       max_model_len=args.max_model_len, bucket_sizes=sizes, dcp_world_size=W)
-    reqs = _workload(args, mc.vocab_size)
+    try:
+        reqs = _text_workload(args, tok, mc.vocab_size) if tok else _workload(args, mc.vocab_size)
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
     num_pages = args.num_pages or (
         len(RESERVED_PAGES) + sum(pages_needed(len(r.prompt) + r.max_new_tokens, W) for r in reqs))
     try:
-        runner = ModelRunner(mc, rc, num_pages=num_pages, seed=args.seed,
+        runner = ModelRunner(mc, rc, num_pages=num_pages, seed=args.seed, params=params,
                              attention_impl=args.attention_impl, debug=args.debug)
     except DCPError as e:
         print(f"error: --dcp {W}: {e}. On CPU start the process with "
@@ -159,6 +203,8 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{np.percentile(lat, 50):.1f} ms, p99 {np.percentile(lat, 99):.1f} ms")
     print(f"  compilations after warm-up: {stats.compilations}")
     print(f"  metadata validation: {validation}")
+    for r in (reqs if tok else ()):
+        print(f"  {tok.decode(r.prompt)!r} -> {tok.decode(sched.finished[r.request_id].output)!r}")
     ok = stats.compilations == 0 and len(sched.finished) == total
     return 0 if ok else 1
 

@@ -164,3 +164,115 @@ def test_folder_errors(tmp_path, params):
     with pytest.raises(CheckpointError, match="lists shard 'model-00003-of-00003.safetensors', "
                                               "which is not in"):
         load(tmp_path)
+
+
+# ---- tokenizer, `logits` and `demo --checkpoint` -------------------------------------------
+
+TEXT_CFG = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), vocab_size=320,
+                            hidden_size=48, num_heads=4, num_kv_heads=1, head_dim=16,
+                            rotary_dim=8, index_dim=16, intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=16,
+                            shared_intermediate_size=16)
+CORPUS = ["the quick brown fox jumps over the lazy dog", "sparse attention reads sixteen pages",
+          "a mixture of experts routes every token", "hello world, hello tokens"] * 8
+
+
+def _train_tokenizer(folder):
+    """A byte-level BPE tokenizer trained here (nothing downloaded), saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return tok
+
+
+def test_tokenizer_round_trip(tmp_path):
+    from jax_msa_runner.tokenizer import load_tokenizer
+    assert load_tokenizer(tmp_path) is None  # no tokenizer files
+    (tmp_path / "vocab.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"has tokenizer files \['vocab.json'\] but no tokenizer.json"):
+        load_tokenizer(tmp_path)
+    os.remove(tmp_path / "vocab.json")
+    trained = _train_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    assert tok.vocab_size == trained.get_vocab_size() <= TEXT_CFG.vocab_size
+    assert tok.eos_token_ids == (trained.token_to_id("<eos>"),)
+    for text in ("hello world", "the lazy fox routes sixteen tokens!", "ünïcödé bytes ✓"):
+        ids = tok.encode(text)
+        assert ids == trained.encode(text).ids and tok.decode(ids) == text
+    assert len(tok.encode("the quick brown fox")) < len("the quick brown fox")  # merges learnt
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert load_tokenizer(tmp_path).eos_token_ids == (5, 7)
+
+
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("text_ckpt")
+    params = init_params(TEXT_CFG, seed=21)
+    write_checkpoint(folder, params, TEXT_CFG, scheme="released", num_shards=2)
+    _train_tokenizer(folder)
+    return folder, params
+
+
+def test_logits_cli_matches_one_shot_forward(text_checkpoint, tmp_path, capsys):
+    """`jax-msa-runner logits`: 300 prompt tokens prefilled in chunks of 128 by the serving
+    path give the logits of a single unchunked forward pass (f32, atol 1e-4)."""
+    from jax_msa_runner.attention.parallel import init_caches
+    from jax_msa_runner.batch.staging import stage_batch
+    from jax_msa_runner.cli import main
+    from jax_msa_runner.config import RunnerConfig
+    from jax_msa_runner.model import compute_logits, forward
+    folder, params = text_checkpoint
+    ids = np.random.default_rng(4).integers(0, TEXT_CFG.vocab_size, 300)
+    np.save(tmp_path / "ids.npy", ids)
+    rc = main(["logits", "--checkpoint", str(folder), "--token-ids", str(tmp_path / "ids.npy"),
+               "--out", str(tmp_path / "out.npy"), "--max-num-batched-tokens", "128"])
+    assert rc == 0
+    got = np.load(tmp_path / "out.npy")
+    assert got.dtype == np.float32 and got.shape == (300, TEXT_CFG.vocab_size)
+    rconf = RunnerConfig(max_num_seqs=1, max_num_batched_tokens=384, max_model_len=384,
+                         bucket_sizes=(384,))
+    md = stage_batch(np.array([300]), np.array([0]), [[2, 3, 4]], rconf)
+    toks = np.pad(ids, (0, 84)).astype(np.int32)
+    hidden, _ = jax.jit(lambda p, c, t, m: forward(p, c, t, m, config=TEXT_CFG))(
+        params, init_caches(TEXT_CFG, 5, None), jnp.asarray(toks), md)
+    want = np.asarray(compute_logits(params, hidden, TEXT_CFG))[:300]
+    chex.assert_trees_all_close(got, want, atol=1e-4, rtol=0)
+    assert np.abs(want).max() > 1.0  # not a degenerate comparison
+
+
+@pytest.mark.parametrize("arr, match", [
+    (np.array([[1, 2]]), r"--token-ids: needs a 1-D integer array, got int64 of shape \(1, 2\)"),
+    (np.array([1.0, 2.0]), r"--token-ids: needs a 1-D integer array, got float64"),
+    (np.array([], np.int64), r"--token-ids: needs at least 1 token, got 0"),
+    (np.array([3, 320, 1]), r"--token-ids: ids must be in \[0, vocab_size=320\), got 320 at index 1"),
+    (np.array([-1]), r"--token-ids: ids must be in \[0, vocab_size=320\), got -1 at index 0"),
+])
+def test_logits_cli_rejects_bad_token_ids(text_checkpoint, tmp_path, capsys, arr, match):
+    from jax_msa_runner.cli import main
+    folder, _ = text_checkpoint
+    np.save(tmp_path / "ids.npy", arr)
+    rc = main(["logits", "--checkpoint", str(folder), "--token-ids", str(tmp_path / "ids.npy"),
+               "--out", str(tmp_path / "out.npy")])
+    assert rc == 2 and not (tmp_path / "out.npy").exists()
+    import re
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_demo_serves_text_from_a_checkpoint(text_checkpoint, capsys):
+    from jax_msa_runner.demo import main
+    folder, _ = text_checkpoint
+    rc = main(["--checkpoint", str(folder), "--prompt", "hello world", "--prompt",
+               "the lazy fox", "--output-len", "5", "--max-model-len", "256",
+               "--max-num-batched-tokens", "32", "--max-num-seqs", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "model: 2 layers (1 MSA, 1 dense)" in out and "compilations after warm-up: 0" in out
+    assert "'hello world' -> '" in out and "'the lazy fox' -> '" in out
+    assert main(["--prompt", "hello"]) == 2  # text prompts need a checkpoint's tokenizer
+    assert "error: --prompt needs --checkpoint DIR with a tokenizer.json" in capsys.readouterr().out

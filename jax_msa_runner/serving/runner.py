@@ -80,7 +80,8 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, seeds: jax.Array,
 
 def _step_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
                rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str, interpret: bool,
-               attention_mode: str) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
+               attention_mode: str, all_token_logits: bool = False
+               ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
     """One step on one device or one DCP rank (caches: the rank's own, leaves [N, ...])."""
     R, T = bucket.num_reqs, bucket.num_tokens
     o = packed_size(bucket)
@@ -93,14 +94,19 @@ def _step_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: B
                              attention_impl=attention_impl, attention_mode=attention_mode,
                              dcp_world_size=rconfig.dcp_world_size, interpret=interpret)
     last = jnp.clip(md.query_start_loc[1:] - 1, 0, T - 1)  # last token of each row
-    logits = compute_logits(params, hidden[last], mconfig)
-    nxt = sample_tokens(logits, temperature, seeds, sample_index)
+    if all_token_logits:
+        logits = compute_logits(params, hidden, mconfig)  # [T, V]
+        nxt = sample_tokens(logits[last], temperature, seeds, sample_index)
+    else:
+        logits = compute_logits(params, hidden[last], mconfig)  # [R, V]
+        nxt = sample_tokens(logits, temperature, seeds, sample_index)
     return jnp.where(md.req_mask, nxt, -1), logits, caches, md
 
 
 def serve_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
                rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
-               interpret: bool = False, mesh: Mesh | None = None, attention_mode: str = "msa"
+               interpret: bool = False, mesh: Mesh | None = None, attention_mode: str = "msa",
+               all_token_logits: bool = False
                ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
     """One serving step for ``bucket`` (static). host_buf int32 [host_buffer_size(bucket)].
 
@@ -111,17 +117,18 @@ def serve_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: B
     DCP, mesh is the "dcp" mesh of W devices and caches are per-rank stacks [W, N_local, ...]
     sharded over it; the step runs in one shard_map (params, host_buf replicated).
     Returns (next_tokens int32 [R] (-1 on padded rows), logits f32 [R, V] of each row's
-    last token, updated caches, the staged metadata); all but the caches replicated.
+    last token (with all_token_logits (static): [T, V] of every token), updated caches, the
+    staged metadata); all but the caches replicated.
     """
     body = functools.partial(_step_body, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
                              attention_impl=attention_impl, interpret=interpret,
-                             attention_mode=attention_mode)
+                             attention_mode=attention_mode, all_token_logits=all_token_logits)
     return per_rank_step(body, rconfig, mesh)(params, caches, host_buf)
 
 
 _serve_step_jit = jax.jit(serve_step, static_argnames=("bucket", "rconfig", "mconfig",
                                                        "attention_impl", "interpret", "mesh",
-                                                       "attention_mode"),
+                                                       "attention_mode", "all_token_logits"),
                           donate_argnames=("caches",))
 
 
@@ -150,18 +157,21 @@ class ModelRunner:
     num_pages: KV pages of the cache (per rank under DCP). With rconfig.dcp_world_size W > 1
     the runner serves over the first W devices (``mesh``); raises DCPError when fewer exist.
     interpret: Pallas interpret mode; default True exactly for attention_impl "pallas" off
-    the GPU. ``last_logits`` holds the latest step's logits f32 [R_bucket, V] (on device).
+    the GPU. ``last_logits`` holds the latest step's logits f32 [R_bucket, V] (on device);
+    with all_token_logits, [T_bucket, V]: one row per token of the step.
     """
 
     def __init__(self, mconfig: ModelConfig, rconfig: RunnerConfig, *, num_pages: int,
                  params: dict | None = None, seed: int = 0, attention_impl: str | None = None,
-                 debug: bool = False, interpret: bool | None = None):
+                 debug: bool = False, interpret: bool | None = None,
+                 all_token_logits: bool = False):
         self.attention_impl = attention_impl or default_attention_impl()
         check_attention_impl(self.attention_impl)
         self.interpret = (self.attention_impl == "pallas" and jax.default_backend() != "gpu"
                           if interpret is None else bool(interpret))
         self.mesh = step_mesh(rconfig)  # DCPError: too few devices
         self.mconfig, self.rconfig, self.debug = mconfig, rconfig, debug
+        self.all_token_logits = all_token_logits
         self.buckets = make_buckets(rconfig)
         self.params = replicate(params if params is not None else init_params(mconfig, seed),
                                 self.mesh)
@@ -202,7 +212,8 @@ class ModelRunner:
                                                 bucket=bucket, rconfig=self.rconfig,
                                                 mconfig=self.mconfig,
                                                 attention_impl=self.attention_impl,
-                                                interpret=self.interpret, mesh=self.mesh)
+                                                interpret=self.interpret, mesh=self.mesh,
+                                                all_token_logits=self.all_token_logits)
                 self._compiled[bucket] = lowered.compile()
                 nxt, md = self._run(bucket, buf)  # the "capture" run
                 if self.debug:
