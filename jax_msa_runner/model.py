@@ -35,8 +35,11 @@ from jax_msa_runner.config import ModelConfig
 # ---- parameters ------------------------------------------------------------------------------
 
 def init_params(config: ModelConfig, seed: int = 0) -> dict:
-    """Random weights from ``seed`` (a pytree of arrays in ``config.dtype``).
+    """Random weights from ``seed`` (a pytree of arrays in ``config.dtype``; MoE routers f32).
 
+    Layer dicts: attention (q/k/v/o_proj [in, out], q/k_norm, index_* on MSA layers), the
+    norms, and either a dense MLP (gate_up_proj [H, 2I], down_proj [I, H]) or, on MoE
+    layers, ``init_moe_params``' entries.
     Projections ~ N(0, 1/fan_in); norm weights ~ 0.1 * N(0, 1) so the Gemma ``(1 + w)`` is
     exercised; the embedding ~ N(0, 1).
     """

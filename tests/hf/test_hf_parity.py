@@ -12,9 +12,12 @@ selection is applied as a mask), each MoE layer's chosen experts, and 16 greedy
   the runner): ``max |ours - HF| <= 1e-4 * max |HF|`` (f32);
 - chosen experts on both MoE layers: the same set for every token;
 - 16 greedy decode steps through the runner: the same tokens as HF's ``generate``;
+- the same weights under the released VL names with a legacy config (which transformers'
+  own VL loader reads back exactly): the same ModelConfig and params;
 - negative control: past 2048 tokens HF's logits without the block mask differ from HF's
   (and ours) by far more than the tolerance, so the long prompt does test the selection.
 """
+import logging
 import os
 import subprocess
 import sys
@@ -67,7 +70,7 @@ def case(request, tmp_path_factory):
     t0 = time.perf_counter()
     proc = subprocess.run([REF_PYTHON, HF_SIDE, "--out", str(out), "--num-kv-heads", str(hkv),
                            "--seed", str(10 + hkv), "--prompt-lens", ",".join(map(str, PROMPT_LENS)),
-                           "--decode-steps", str(DECODE_STEPS)],
+                           "--decode-steps", str(DECODE_STEPS), "--released-vl"],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     print(f"\nHF side (Hkv={hkv}): {time.perf_counter() - t0:.1f}s")
@@ -85,6 +88,16 @@ def test_loaded_config_is_the_tiny_m3(case):
     assert (c.num_experts, c.num_experts_per_tok, c.rotary_dim, c.index_dim) == (8, 2, 16, 32)
     assert list(ref["moe_layers"]) == [1, 2]
     assert params["layers"][1]["router"].dtype == jnp.float32
+
+
+def test_released_vl_names_load_the_same_params(case, caplog):
+    _, out, config, params = case
+    with caplog.at_level(logging.INFO, logger="jax_msa_runner.checkpoint"):
+        config_r, params_r = load(out / "released_vl", dtype="float32")
+    assert config_r == config  # legacy config fields == transformers' fields
+    chex.assert_trees_all_equal(params_r, params)
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "skipped 3 weights (vision: 2, MTP: 1)"]
 
 
 @pytest.mark.parametrize("n", PROMPT_LENS)
