@@ -285,6 +285,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", sharding: Sharding
         plan = []
 
         def choose(pname, spec, forms, prefix=""):
+            if released:  # a missing weight is then reported by its released (split) name
+                forms = forms[::-1]
             best = None
             for form in forms:
                 keys = [prefix + k for k in form.keys]

@@ -4,8 +4,9 @@
 gate/up projections, ``self_attn.index_*`` and a legacy ``config.json``;
 ``scheme="transformers"``: fused ``mlp.experts.gate_up_proj [E, 2I, H]`` /
 ``down_proj [E, H, I]``, ``mlp.gate.*``, ``self_attn.indexer.*`` and transformers' config
-names. ``vl=True`` nests the text model under ``language_model.`` and adds vision and MTP
-weights (which the loader must skip).
+names. ``vl=True`` nests the text model (released: ``language_model.model.*``,
+transformers: ``model.language_model.*``) and adds vision and MTP weights (which the loader
+must skip).
 """
 from __future__ import annotations
 
@@ -110,13 +111,22 @@ def write_checkpoint(folder, params: dict, c: ModelConfig, *, scheme: str = "tra
     """Write ``folder``; returns the tensors written (by checkpoint key)."""
     os.makedirs(folder, exist_ok=True)
     tensors = hf_tensors(params, c, scheme)
-    if vl:
-        tensors = {("language_model." + k): v for k, v in tensors.items()}
-        rng = np.random.default_rng(0)
-        tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = \
-            rng.normal(size=(8, 3, 2, 2)).astype(np.float32)
-        tensors["multi_modal_projector.linear_1.weight"] = rng.normal(size=(4, 8)).astype(np.float32)
-        tensors["language_model.model.mtp.0.eh_proj.weight"] = rng.normal(size=(4, 4)).astype(np.float32)
+    if vl:  # released: language_model.model.* / language_model.lm_head; transformers:
+        rng = np.random.default_rng(0)  # model.language_model.* / lm_head
+        if scheme == "released":
+            tensors = {("language_model." + k): v for k, v in tensors.items()}
+            vision = ("vision_tower.vision_model.embeddings.patch_embedding.weight",
+                      "multi_modal_projector.linear_1.weight")
+            mtp = "language_model.model.mtp.0.eh_proj.weight"
+        else:
+            tensors = {(k if k == "lm_head.weight" else "model.language_model." + k[len("model."):]): v
+                       for k, v in tensors.items()}
+            vision = ("model.vision_tower.embeddings.proj.weight",
+                      "model.multi_modal_projector.linear_1.weight")
+            mtp = "model.language_model.mtp.layers.0.eh_proj.weight"
+        tensors[vision[0]] = rng.normal(size=(8, 3, 2, 2)).astype(np.float32)
+        tensors[vision[1]] = rng.normal(size=(4, 8)).astype(np.float32)
+        tensors[mtp] = rng.normal(size=(4, 4)).astype(np.float32)
     if store_dtype is not None:
         tensors = {k: v.astype(store_dtype) for k, v in tensors.items()}
     cfg = hf_config(c, scheme)

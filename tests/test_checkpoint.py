@@ -109,6 +109,15 @@ def test_missing_key(tmp_path, params):
         load(tmp_path, dtype="float32")
 
 
+def test_missing_split_projection(tmp_path, params):
+    write_checkpoint(tmp_path, params, CFG, scheme="released", vl=True)
+    key = "language_model.model.layers.0.mlp.up_proj.weight"
+    _rewrite(tmp_path, lambda t: {k: v for k, v in t.items() if k != key})
+    with pytest.raises(CheckpointError, match=rf"^missing key '{key}' \(expected shape \(24, 40\)\) "
+                                              r"for param 'layers.0.gate_up_proj'"):
+        load(tmp_path, dtype="float32")
+
+
 def test_missing_key_transformers_scheme(tmp_path, params):
     write_checkpoint(tmp_path, params, CFG, scheme="transformers")
     key = "model.layers.1.mlp.gate.e_score_correction_bias"
