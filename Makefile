@@ -26,9 +26,9 @@ VLLM_VENV ?= .venv-vllm
 VLLM_OPS ?= .vllm_ops
 WHEEL_CACHE ?= $(HOME)/.cache/jax-msa-runner/wheels
 
-$(VLLM_VENV)/.installed:
+$(VLLM_VENV)/.installed: tools/vllm_compare/requirements.txt
 	$(PYTHON311) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 triton==3.6.0 'numpy<2.4'
+	$(VLLM_VENV)/bin/pip install -q -r tools/vllm_compare/requirements.txt
 	touch $@
 
 $(VLLM_OPS)/MANIFEST.json: tools/vllm_compare/vllm_ops.py | $(VLLM_VENV)/.installed

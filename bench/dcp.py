@@ -9,12 +9,12 @@ decode batch twice (dcp_world_size 1 and W) and runs
     (shard_map: q all-gather, rank-local indexer, candidate all-gather, global top-16,
     rank-local sparse decode, LSE merge with pmax/psum).
 Equality (compiled kernels): selected global block ids identical, out within the bf16
-tolerance of tests/test_dcp_attention.py (atol 4e-3, rtol 8e-3), lse within 1e-5 abs + rel.
+tolerance of tests/attention/test_dcp_attention.py (atol 4e-3, rtol 8e-3), lse within 1e-5 abs + rel.
 Also timed: the indexer + top-16 select alone (one device: msa_index_scores +
 sparse_topk_select; DCP: dcp_index_select with its candidate all-gather).
-Timing: steady-state wall time per call (inputs already placed: q/index_q sharded over
-tokens, metadata replicated, caches per rank), ``--reps`` back-to-back async calls per trial,
-median of ``--trials``.
+Timing: ``_common.time_jax`` in its warm-L2 mode (inputs already placed: q/index_q sharded
+over tokens, metadata replicated, caches per rank): ``--reps`` back-to-back async calls per
+trial, wall time per call, median of ``--trials``.
 
 Usage (two H200s):   python3 bench/dcp.py --out DIR
 CPU smoke (interpret mode, tiny shapes, two host devices):  python3 bench/dcp.py --out DIR --smoke
@@ -22,36 +22,31 @@ Writes DIR/dcp.json and DIR/dcp.md.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import os
-import statistics
 import sys
-import time
-import warnings
 
 if "--smoke" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get(
         "XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=2").strip()
 
-import numpy as np  # noqa: E402
-
-warnings.filterwarnings("ignore", category=DeprecationWarning)
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import _common  # noqa: E402  (first jax import: repo root on sys.path, known warnings)
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_msa_runner.config import RunnerConfig  # noqa: E402
+from _common import time_jax, timer_description, write_json  # noqa: E402
 from jax_msa_runner.attention.dcp import (DCP_AXIS, dcp_index_select,  # noqa: E402
                                           dcp_msa_attention, make_dcp_mesh)
+from jax_msa_runner.attention.msa import msa_attention  # noqa: E402
 from jax_msa_runner.batch.staging import stage_batch  # noqa: E402
-from pallas_kernels import msa_attention, msa_index_scores, sparse_topk_select  # noqa: E402
+from jax_msa_runner.config import RunnerConfig  # noqa: E402
+from pallas_kernels import PAGE_SIZE, msa_index_scores, sparse_topk_select  # noqa: E402
 
-PAGE = 128
 BF16_TOL = dict(atol=4e-3, rtol=8e-3)
 LSE_TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -85,15 +80,15 @@ def make_case(shape: Shape, world_size: int, seed: int) -> dict:
     rank (g % W)'s local page g // W, so the global cache is an interleave of the shards.
     """
     W, B, L = world_size, shape.batch, shape.context
-    pages = L // PAGE
+    pages = L // PAGE_SIZE
     if pages % W:
         raise ValueError(f"context {L}: {pages} pages must be a multiple of W={W}")
     pl_ = pages // W
     n_local = 1 + B * pl_
     ks = jax.random.split(jax.random.key(seed), 4)
     kv_shards = jax.random.normal(
-        ks[0], (W, n_local, shape.hkv, PAGE, 2 * shape.head_dim), jnp.bfloat16)
-    ik_shards = jax.random.normal(ks[1], (W, n_local, PAGE, shape.index_dim), jnp.bfloat16)
+        ks[0], (W, n_local, shape.hkv, PAGE_SIZE, 2 * shape.head_dim), jnp.bfloat16)
+    ik_shards = jax.random.normal(ks[1], (W, n_local, PAGE_SIZE, shape.index_dim), jnp.bfloat16)
     interleave = lambda s: jnp.concatenate(  # noqa: E731  [W, 1 + B*Pl, ...] -> [1 + B*Pl*W, ...]
         [s[0, :1], jnp.swapaxes(s[:, 1:], 0, 1).reshape((-1,) + s.shape[2:])])
     q = jax.random.normal(ks[2], (B, shape.hq, shape.head_dim), jnp.bfloat16)
@@ -108,19 +103,6 @@ def make_case(shape: Shape, world_size: int, seed: int) -> dict:
     mdw = stage_batch(sched, comp, local_bt, RunnerConfig(dcp_world_size=W, **common))
     return dict(kv_shards=kv_shards, ik_shards=ik_shards, kv=interleave(kv_shards),
                 ik=interleave(ik_shards), q=q, iq=iq, md1=md1, mdw=mdw)
-
-
-def time_call(fn, args, *, reps: int, trials: int) -> dict:
-    """Median / min seconds per call of fn(*args): reps async calls per trial."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / reps)
-    return dict(median_s=statistics.median(samples), min_s=min(samples), samples_s=samples)
 
 
 def compare(single, dist, mask: np.ndarray) -> dict:
@@ -169,14 +151,14 @@ def bench_shape(shape: Shape, world_size: int, *, reps: int, trials: int, seed: 
 
     single, dist = single_fn(*single_args), dist_fn(*dist_args)
     check = compare(single, dist, np.asarray(single_args[4].token_mask))
-    t_single = time_call(single_fn, single_args, reps=reps, trials=trials)
-    t_dist = time_call(dist_fn, dist_args, reps=reps, trials=trials)
-    t_single_sel = time_call(jax.jit(single_select), single_args, reps=reps, trials=trials)
-    t_dist_sel = time_call(jax.jit(dist_select), dist_args, reps=reps, trials=trials)
+    t_single, t_dist, t_single_sel, t_dist_sel = (
+        time_jax(f, a, n=reps, trials=trials, l2="warm").as_dict()
+        for f, a in ((single_fn, single_args), (dist_fn, dist_args),
+                     (single_select, single_args), (dist_select, dist_args)))
     kv_bytes = lambda a: a.size * a.dtype.itemsize  # noqa: E731
     return dict(shape=dataclasses.asdict(shape), name=shape.name, world_size=world_size,
                 check=check, single=t_single, dcp=t_dist,
-                speedup=t_single["median_s"] / t_dist["median_s"],
+                speedup=t_single["us"] / t_dist["us"],
                 indexer_single=t_single_sel, indexer_dcp=t_dist_sel,
                 cache_bytes_single=kv_bytes(single_args[2]) + kv_bytes(single_args[3]),
                 cache_bytes_per_rank=(kv_bytes(dist_args[2]) + kv_bytes(dist_args[3]))
@@ -184,10 +166,10 @@ def bench_shape(shape: Shape, world_size: int, *, reps: int, trials: int, seed: 
 
 
 def markdown(result: dict) -> str:
-    lines = [f"## DCP attention, W = {result['world_size']} vs one device ({result['device']})",
+    lines = [f"## DCP attention, W = {result['world_size']} vs one device ({result['meta']['device']}, {result['meta']['date']})",
              "",
              "Selections identical (fraction of rows), out/lse max |diff| (bf16 tol atol 4e-3 "
-             "rtol 8e-3); step time per call, median of trials.",
+             f"rtol 8e-3); step time per call, median of trials ({result['timer']}).",
              "",
              "| shape | sel rows equal | out max diff | lse max diff | equal | one device ms "
              "| DCP ms | speedup | indexer+select ms 1 -> W | cache GiB/device 1 -> W |",
@@ -197,25 +179,24 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {r['name']} | {c['selection_rows_equal']:.4f} | {c['out_max_abs_diff']:.2e} | "
             f"{c['lse_max_abs_diff']:.2e} | {'yes' if c['equal'] else 'NO'} | "
-            f"{r['single']['median_s'] * 1e3:.3f} | {r['dcp']['median_s'] * 1e3:.3f} | "
-            f"{r['speedup']:.2f}x | {r['indexer_single']['median_s'] * 1e3:.3f} -> "
-            f"{r['indexer_dcp']['median_s'] * 1e3:.3f} | {r['cache_bytes_single'] / 2**30:.2f} -> "
+            f"{r['single']['us'] * 1e-3:.3f} | {r['dcp']['us'] * 1e-3:.3f} | "
+            f"{r['speedup']:.2f}x | {r['indexer_single']['us'] * 1e-3:.3f} -> "
+            f"{r['indexer_dcp']['us'] * 1e-3:.3f} | {r['cache_bytes_single'] / 2**30:.2f} -> "
             f"{r['cache_bytes_per_rank'] / 2**30:.2f} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    _common.add_common_args(parser, reps=20, trials=5)
+    parser.add_argument("--world-size", type=_common.positive_int, default=2)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, interpret mode off the GPU (CPU check of the script)")
     args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    interpret = jax.default_backend() != "gpu"
+    if args.world_size > jax.device_count():
+        parser.error(f"--world-size must be <= the {jax.device_count()} devices here, "
+                     f"got {args.world_size}")
+    interpret = not _common.ON_GPU
     if interpret and not args.smoke:
         parser.error("no GPU backend: run on the GPU machine or pass --smoke")
     reps, trials = (1, 1) if args.smoke else (args.reps, args.trials)
@@ -223,12 +204,11 @@ def main(argv=None) -> int:
     for shape in shapes(args.smoke):
         r = bench_shape(shape, args.world_size, reps=reps, trials=trials, seed=args.seed,
                         interpret=interpret)
-        print(json.dumps({k: r[k] for k in ("name", "check", "speedup")}), flush=True)
+        print({k: r[k] for k in ("name", "check", "speedup")}, flush=True)
         results.append(r)
-    result = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(),
-                  world_size=args.world_size, jax=jax.__version__, results=results)
-    with open(os.path.join(args.out, "dcp.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    result = dict(meta=_common.run_meta(), timer=timer_description("warm", reps),
+                  world_size=args.world_size, results=results)
+    write_json(os.path.join(args.out, "dcp.json"), result)
     md = markdown(result)
     with open(os.path.join(args.out, "dcp.md"), "w") as f:
         f.write(md)

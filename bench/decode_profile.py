@@ -13,24 +13,19 @@ Subcommands (run on the GPU machine, driven by `bench/decode_profile.sh`):
 """
 from __future__ import annotations
 
+import _common  # first: repo root on sys.path, known warnings
 import argparse
-import json
-import os
 import statistics
 import sys
-import time
-import warnings
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-
-import jax.numpy as jnp  # noqa: E402
-
-from bench.kernels import (HEAD_DIM, TOPK, Shape, copy_bandwidth, make_inputs,  # noqa: E402
-                           our_indexer, same_traffic_copy_input, scale_copy, time_jax)
-from pallas_kernels.sparse_decode import sparse_decode  # noqa: E402
+from _common import (copy_bandwidth, hlo_kernel_count, same_traffic_copy_input, scale_copy,
+                     time_jax, timer_description, write_json)
+from _shapes_inputs import HEAD_DIM, Shape, make_inputs, our_indexer
+from pallas_kernels import TOPK
+from pallas_kernels.sparse_decode import sparse_decode
 
 SHAPES = {"16/1 B=128": Shape(16, 1, 128, 65536), "16/1 B=64": Shape(16, 1, 64, 65536),
           "64/4 B=128": Shape(64, 4, 128, 65536), "16/1 B=16": Shape(16, 1, 16, 65536),
@@ -89,9 +84,10 @@ def variant_fn(kw: dict):
 
 def cmd_time(args) -> None:
     copy = copy_bandwidth()
-    result = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
-              "set": args.set, "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials, "rows": []}
-    print(f"copy bandwidth {copy['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
+    result = {"timer": timer_description("cold", args.reps), "set": args.set,
+              "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials, "rows": []}
+    print(f"timing: {result['timer']}; copy bandwidth {copy['copy_Bps'] / 1e12:.2f} TB/s",
+          flush=True)
     for name, variants in VARIANT_SETS[args.set].items():
         shape = SHAPES[name]
         x = make_inputs(shape, args.seed)
@@ -100,7 +96,8 @@ def cmd_time(args) -> None:
         samples = {label: [] for label, _, _ in fns}
         for _ in range(args.trials):  # interleaved: one sample of every variant per round
             for label, _, fn in fns:
-                samples[label] += time_jax(fn, (x, sel), reps=args.reps, trials=1)
+                samples[label] += time_jax(fn, (x, sel), n=args.reps, trials=1,
+                                           l2="cold").samples_s
         for label, kw, _ in fns:
             us = statistics.median(samples[label]) * 1e6
             pct = shape.decode_bytes / (us * 1e-6) / copy["copy_Bps"] * 100
@@ -110,8 +107,7 @@ def cmd_time(args) -> None:
             print(f"{name:11s} {label:12s} {us:8.2f} us (min {row['min_us']:.2f})  "
                   f"{pct:5.1f}% of copy", flush=True)
         del x, sel
-        with open(os.path.join(args.out, "decode_profile.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(f"{args.out}/decode_profile.json", result)
 
 
 SLOPE_SHAPES = ("16/1 B=128", "64/4 B=128")
@@ -124,11 +120,10 @@ def cmd_slope(args) -> None:
     over n >= 1 splits the 16-page time into a fixed part (launch, the dependent metadata loads
     before the first page, the output write, the flush's write-back) and a per-page part."""
     copy = copy_bandwidth()
-    result = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
-              "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials,
-              "rows": [], "fits": []}
-    print(f"copy bandwidth {copy['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
-    copy_fn = jax.jit(scale_copy)
+    result = {"timer": timer_description("cold", args.reps), "copy_Bps": copy["copy_Bps"],
+              "reps": args.reps, "trials": args.trials, "rows": [], "fits": []}
+    print(f"timing: {result['timer']}; copy bandwidth {copy['copy_Bps'] / 1e12:.2f} TB/s",
+          flush=True)
     for name in SLOPE_SHAPES:
         shape = SHAPES[name]
         x = make_inputs(shape, args.seed)
@@ -142,9 +137,10 @@ def cmd_slope(args) -> None:
             copy_in = same_traffic_copy_input(nbytes) if n else None
             dec, cp = [], []
             for _ in range(args.trials):  # interleaved: decode, then its same-bytes copy
-                dec += time_jax(decode, (x, sel_n), reps=args.reps, trials=1)
+                dec += time_jax(decode, (x, sel_n), n=args.reps, trials=1, l2="cold").samples_s
                 if n:
-                    cp += time_jax(copy_fn, (copy_in,), reps=args.reps, trials=1)
+                    cp += time_jax(scale_copy, (copy_in,), n=args.reps, trials=1,
+                                   l2="cold").samples_s
             us = statistics.median(dec) * 1e6
             cp_us = statistics.median(cp) * 1e6 if cp else None
             row = {"shape": name, "pages": n, "bytes": nbytes, "us": round(us, 2),
@@ -165,8 +161,7 @@ def cmd_slope(args) -> None:
               f"(the per-page part streams at {fit['per_page_pct_copy']:.1f}% of copy)",
               flush=True)
         del x, sel, copy_in
-        with open(os.path.join(args.out, "decode_slope.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(f"{args.out}/decode_slope.json", result)
 
 
 def cmd_target(args) -> None:
@@ -177,25 +172,21 @@ def cmd_target(args) -> None:
     kws = dict(VARIANTS["16/1 B=128"])
     for label in NCU_VARIANTS:
         jax.block_until_ready(variant_fn(kws[label])(x, sel))
-    hlo = variant_fn({}).lower(x, sel).compile().as_text()
-    entry = hlo[hlo.index("ENTRY"):]
-    print("decode executable: fusions", entry.count(" fusion("), "custom-calls",
-          entry.count("custom-call("), "copies", entry.count(" copy("))
+    count = hlo_kernel_count(variant_fn({}).lower(x, sel).compile().as_text())
+    print(f"decode executable: {count['total']} XLA kernels {count['by_opcode']}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("cmd", choices=("time", "slope", "target"))
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     p.add_argument("--set", choices=tuple(VARIANT_SETS), default="pipeline",
                    help="variants to time: pipeline (stages, warps, splits, V masking; second "
                         "session), warps (fewer warps per program) or vmask (select vs masked "
                         "V load at six shapes; third session)")
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--trials", type=int, default=7)
-    p.add_argument("--seed", type=int, default=0)
+    _common.add_common_args(p, reps=30, trials=7, out_required=False)
     args = p.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    if not _common.ON_GPU:
+        p.error("no GPU backend: run on the GPU machine")
     {"time": cmd_time, "slope": cmd_slope, "target": cmd_target}[args.cmd](args)
     return 0
 

@@ -14,4 +14,4 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 420 ncu --clock-control none --targe
   python3 bench/decode_profile.py target > "$out/ncu.txt" 2>&1
 echo "ncu rc=$?" | tee -a "$out/gpu.log"; grep -E "Duration|DRAM Throughput|SM Active|Warp Cycles Per Issued|Eligible Warps|Registers Per|Dynamic Shared|Block Limit Shared|Achieved Active" "$out/ncu.txt" | head -n 60
 timeout 500 python3 bench/decode_profile.py time --out "$out" 2>&1 | tee -a "$out/gpu.log"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_decode.py tests/test_msa_attention.py 2>&1 | tail -n 15 | tee "$out/tests.log"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sparse_decode.py tests/attention/test_msa_attention.py 2>&1 | tail -n 15 | tee "$out/tests.log"

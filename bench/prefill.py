@@ -5,35 +5,29 @@ One request of context L; a chunk of C query tokens at positions L-C .. L-1 (kv_
 + 1), its selection from our indexer + select. Two index-query regimes: "shared" (consecutive
 tokens' index queries differ by a little noise, so their top-16 pages mostly coincide, as in a
 real prompt) and "random" (independent queries: the tile's page union is close to 16 x TQ, the
-worst case for sharing). Cold-L2 timing (`bench.kernels.time_jax`), the copy bandwidth in the
-same run, and each variant's output against `sparse_decode`'s (relative L2). Writes
+worst case for sharing). Cold-L2 timing (`_common.time_jax`), the copy bandwidth in the same
+run, and each variant's output against `sparse_decode`'s (relative L2). Writes
 OUT/prefill.json.
 
 Usage (device tool): python3 bench/prefill.py --out "$OUT" [--sweep] [--context L --chunk C]
 """
 from __future__ import annotations
 
+import _common  # first: repo root on sys.path, known warnings
 import argparse
-import json
-import os
 import statistics
 import sys
-import time
-import warnings
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from bench.kernels import HEAD_DIM, INDEX_DIM, PAGE, TOPK, copy_bandwidth, time_jax  # noqa: E402
-from tools.vllm_compare.compare import rel_l2  # noqa: E402
-from pallas_kernels.sparse_decode import sparse_decode  # noqa: E402
-from pallas_kernels.sparse_prefill import sparse_prefill, tile_page_union  # noqa: E402
-from pallas_kernels.topk_select import msa_index_select  # noqa: E402
+from _common import add_common_args, copy_bandwidth, rel_l2, time_jax, timer_description, write_json
+from _shapes_inputs import HEAD_DIM, INDEX_DIM
+from pallas_kernels import PAGE_SIZE, TOPK
+from pallas_kernels.sparse_decode import sparse_decode
+from pallas_kernels.sparse_prefill import sparse_prefill, tile_page_union
+from pallas_kernels.topk_select import msa_index_select
 
 HEAD_CONFIGS = ((16, 1), (64, 4))
 # (label, sparse_prefill keywords); {} = the defaults (4 tokens per tile, 4 warps; the first run,
@@ -55,11 +49,11 @@ SWEEP_VARIANTS = [(f"prefill tq{tq} s{st} w{w}", dict(tokens_per_tile=tq, num_st
 def make_chunk(hq: int, hkv: int, context: int, chunk: int, regime: str, seed: int) -> dict:
     """bf16 caches of one request (random page permutation, page 0 the null page) and the
     chunk's queries; ``regime`` "shared" or "random" index queries."""
-    pages = context // PAGE
+    pages = context // PAGE_SIZE
     ks = jax.random.split(jax.random.key(seed), 6)
     block_table = (jax.random.permutation(ks[0], pages) + 1).astype(jnp.int32)[None]
-    index_k = jax.random.normal(ks[1], (pages + 1, PAGE, INDEX_DIM), jnp.bfloat16)
-    kv = jax.random.normal(ks[2], (pages + 1, hkv, PAGE, 2 * HEAD_DIM), jnp.bfloat16)
+    index_k = jax.random.normal(ks[1], (pages + 1, PAGE_SIZE, INDEX_DIM), jnp.bfloat16)
+    kv = jax.random.normal(ks[2], (pages + 1, hkv, PAGE_SIZE, 2 * HEAD_DIM), jnp.bfloat16)
     noise = jax.random.normal(ks[3], (chunk, hkv, INDEX_DIM), jnp.float32)
     if regime == "shared":
         base = jax.random.normal(ks[4], (1, hkv, INDEX_DIM), jnp.float32)
@@ -90,7 +84,7 @@ def bench_case(hq, hkv, context, chunk, regime, copy_bps, prefill_variants, *, r
     x = make_chunk(hq, hkv, context, chunk, regime, seed)
     args = (x["q"], x["kv"], x["selected"], x["block_table"], x["req_indices"], x["kv_lens"])
     scale = HEAD_DIM ** -0.5
-    page_bytes = PAGE * 2 * HEAD_DIM * 2 * hkv  # one page of every KV head
+    page_bytes = PAGE_SIZE * 2 * HEAD_DIM * 2 * hkv  # one page of every KV head
     decode = jax.jit(lambda *a: sparse_decode(*a, scale=scale))
     variants = [("decode default", decode, TOPK * chunk)]  # (label, fn, pages per KV head)
     for label, kw in prefill_variants:
@@ -105,7 +99,7 @@ def bench_case(hq, hkv, context, chunk, regime, copy_bps, prefill_variants, *, r
         errs[label] = rel_l2(np.asarray(out, np.float32), ref_out)
     for _ in range(trials):  # interleaved: one sample of every variant per round
         for label, fn, _ in variants:
-            samples[label] += time_jax(fn, args, reps=reps, trials=1)
+            samples[label] += time_jax(fn, args, n=reps, trials=1, l2="cold").samples_s
     rows = []
     decode_us = statistics.median(samples["decode default"]) * 1e6
     for label, _, pages in variants:
@@ -126,29 +120,29 @@ def bench_case(hq, hkv, context, chunk, regime, copy_bps, prefill_variants, *, r
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
-    p.add_argument("--context", type=int, default=32768)
-    p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
+    add_common_args(p, reps=20, trials=5, out_required=False)
+    p.add_argument("--context", type=_common.positive_int, default=32768)
+    p.add_argument("--chunk", type=_common.positive_int, default=2048)
     p.add_argument("--sweep", action="store_true",
                    help="time the tokens-per-tile x stages x warps grid instead of the variants")
     args = p.parse_args(argv)
+    if args.context % PAGE_SIZE or args.chunk > args.context:
+        p.error(f"--context must be a multiple of {PAGE_SIZE} and >= --chunk, got "
+                f"{args.context} / {args.chunk}")
+    if not _common.ON_GPU:
+        p.error("no GPU backend: run on the GPU machine")
     variants = SWEEP_VARIANTS if args.sweep else PREFILL_VARIANTS
-    os.makedirs(args.out, exist_ok=True)
     copy = copy_bandwidth()
-    result = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
-              "copy_Bps": copy["copy_Bps"], "reps": args.reps, "trials": args.trials,
-              "sweep": args.sweep, "rows": []}
-    print(f"copy bandwidth {copy['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
+    result = {"timer": timer_description("cold", args.reps), "copy_Bps": copy["copy_Bps"],
+              "reps": args.reps, "trials": args.trials, "sweep": args.sweep, "rows": []}
+    print(f"timing: {result['timer']}; copy bandwidth {copy['copy_Bps'] / 1e12:.2f} TB/s",
+          flush=True)
     for hq, hkv in HEAD_CONFIGS:
         for regime in ("shared", "random"):
             result["rows"] += bench_case(hq, hkv, args.context, args.chunk, regime,
                                          copy["copy_Bps"], variants, reps=args.reps,
                                          trials=args.trials, seed=args.seed)
-            with open(os.path.join(args.out, "prefill.json"), "w") as f:
-                json.dump(result, f, indent=1)
+            write_json(f"{args.out}/prefill.json", result)
     return 0
 
 

@@ -3,7 +3,8 @@
     python3 bench/serving.py --out DIR        (H200; defaults below; JSON to DIR/serving.json)
 
 Each point runs the runner's compiled step (``runner.serve_step``: on-device staging via
-``stage_packed``, the model, greedy sampling, in-place cache writes) on a pure decode batch:
+``stage_packed``, the model, on-device sampling (greedy rows, penalty-state bookkeeping,
+top-20 logprobs), in-place cache writes) on a pure decode batch:
 B requests, each with L - 1 cached tokens and one new token. Shapes are MiniMax-M3's per
 rank at TP4: Hq 16, Hkv 1, head dim 128, index heads 1, index dim 128, hidden 6144, bf16.
 A few layers are enough (attention cost is per layer): ``--layers`` (default 4), all MSA in
@@ -23,28 +24,28 @@ same B and context). Besides DIR/serving.json the same rows go to DIR/serving.md
 """
 from __future__ import annotations
 
+import _common  # first: repo root on sys.path, known warnings
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jax_msa_runner.batch.buckets import Bucket  # noqa: E402
-from jax_msa_runner.config import FP8_INDEX_CACHE_DTYPE, RunnerConfig  # noqa: E402
-from jax_msa_runner.attention.layer import default_attention_impl  # noqa: E402
-from jax_msa_runner.attention.parallel import init_caches  # noqa: E402
-from jax_msa_runner.config import ModelConfig  # noqa: E402
-from jax_msa_runner.model import init_params  # noqa: E402
-from jax_msa_runner.serving.runner import pack_step_inputs, serve_step  # noqa: E402
-from jax_msa_runner.batch.staging import pack_host_batch  # noqa: E402
-
+from _common import host_latency_s, write_json
+from jax_msa_runner.attention.layer import default_attention_impl
+from jax_msa_runner.attention.parallel import init_caches
+from jax_msa_runner.batch.buckets import Bucket
+from jax_msa_runner.batch.staging import pack_host_batch
+from jax_msa_runner.config import (FP8_INDEX_CACHE_DTYPE, RESERVED_PAGES, ModelConfig,
+                                   RunnerConfig)
+from jax_msa_runner.model import init_params
+from jax_msa_runner.serving.runner import pack_step_inputs, serve_step
+from jax_msa_runner.serving.sampling import SamplingRows, init_penalty_state
+from pallas_kernels import PAGE_SIZE
 
 INDEX_CACHE_DTYPES = ("bfloat16", FP8_INDEX_CACHE_DTYPE)
 
@@ -60,46 +61,48 @@ def bench_config(layers: int, index_cache_dtype: str = "bfloat16") -> ModelConfi
 
 def make_step(bucket, rconfig, mconfig, impl, mode):
     """The runner's step (``runner.serve_step``) for ``bucket`` with the attention mode exposed
-    (the runner serves MSA): (params, caches, host_buf) -> (next_tokens, caches), caches
-    donated."""
+    (the runner serves MSA): (params, caches, penalties, host_buf) -> (step output, caches,
+    penalties), caches and penalty state donated."""
     step = functools.partial(serve_step, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
                              attention_impl=impl, attention_mode=mode)
 
-    def tokens_and_caches(params, caches, host_buf):
-        nxt, _, caches, _ = step(params, caches, host_buf)
-        return nxt, caches
+    def tokens_and_caches(params, caches, penalties, host_buf):
+        out, _, caches, penalties, _ = step(params, caches, penalties, host_buf)
+        return out, caches, penalties
 
-    return jax.jit(tokens_and_caches, donate_argnums=1)
+    return jax.jit(tokens_and_caches, donate_argnums=(1, 2))
 
 
 def run_point(params, mconfig, batch, context, impl, mode, iters):
-    pages_per_req = context // 128
+    pages_per_req = context // PAGE_SIZE
     rconfig = RunnerConfig(max_num_seqs=batch, max_num_batched_tokens=batch,
                            max_model_len=context, bucket_sizes=(batch,))
     bucket = Bucket(batch, batch, rconfig.max_pages)
-    num_pages = 2 + batch * pages_per_req
+    first = len(RESERVED_PAGES)  # the null and dummy pages come first
+    num_pages = first + batch * pages_per_req
     caches = init_caches(mconfig, num_pages, None)
-    table = (2 + np.arange(batch * pages_per_req)).reshape(batch, pages_per_req)
+    table = (first + np.arange(batch * pages_per_req)).reshape(batch, pages_per_req)
     packed = pack_host_batch(np.ones(batch, np.int64), np.full(batch, context - 1), table, bucket,
                              rconfig)
-    buf = jax.device_put(pack_step_inputs(packed, np.arange(batch) % mconfig.vocab_size,
-                                          np.zeros(batch), np.zeros(batch),
-                                          np.zeros(batch, np.float32), bucket))
+    penalties = init_penalty_state(batch, mconfig.vocab_size)
+    rows = SamplingRows.neutral(batch)._replace(slot=np.arange(batch, dtype=np.int32))
+    buf = jax.device_put(pack_step_inputs(packed, np.arange(batch) % mconfig.vocab_size, rows,
+                                          bucket))
     step = make_step(bucket, rconfig, mconfig, impl, mode)
     t0 = time.perf_counter()
-    nxt, caches = step(params, caches, buf)
+    nxt, caches, penalties = step(params, caches, penalties, buf)
     jax.block_until_ready(nxt)
     compile_s = time.perf_counter() - t0
-    for _ in range(2):
-        nxt, caches = step(params, caches, buf)
-    jax.block_until_ready(nxt)
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        nxt, caches = step(params, caches, buf)
-        jax.block_until_ready(nxt)
-        times.append(time.perf_counter() - t)
+    state = {"caches": caches, "penalties": penalties}
     del caches
+
+    def one_step():
+        nxt, state["caches"], state["penalties"] = step(params, state["caches"],
+                                                         state["penalties"], buf)
+        jax.block_until_ready(nxt)
+
+    times = host_latency_s(one_step, repeats=iters, warmup=2)
+    state.clear()
     ms = float(np.median(times) * 1e3)
     return {"mode": mode, "index_cache_dtype": mconfig.index_cache_dtype, "batch": batch,
             "context": context, "step_ms": ms,
@@ -138,26 +141,34 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="directory for serving.json and serving.md")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="4096,32768,131072")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--layers", type=_common.positive_int, default=4)
+    ap.add_argument("--iters", type=_common.positive_int, default=20)
     ap.add_argument("--impl", default=None, choices=("pallas", "reference"))
     ap.add_argument("--modes", default="msa,dense")
     ap.add_argument("--index-cache-dtype", type=parse_index_cache_dtypes, default="bfloat16",
                     help=f"comma-separated index-K cache dtypes from {INDEX_CACHE_DTYPES} "
                          f"(MSA points run once per dtype; dense once, with the first)")
     args = ap.parse_args(argv)
+    try:
+        batches = [_common.positive_int(b) for b in args.batches.split(",")]
+        contexts = [_common.positive_int(c) for c in args.contexts.split(",")]
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"--batches / --contexts: comma-separated integers >= 1: {e}")
+    if any(c % PAGE_SIZE for c in contexts):
+        ap.error(f"--contexts: each must be a multiple of {PAGE_SIZE}, got {args.contexts}")
+    modes = args.modes.split(",")
+    if not modes or any(m not in ("msa", "dense") for m in modes):
+        ap.error(f"--modes: comma-separated from msa, dense, got {args.modes!r}")
     impl = args.impl or default_attention_impl()
     dtypes = args.index_cache_dtype
     mconfigs = {d: bench_config(args.layers, d) for d in dtypes}
     params = init_params(mconfigs[dtypes[0]], seed=0)  # the same weights for every dtype
-    batches = [int(b) for b in args.batches.split(",")]
-    contexts = [int(c) for c in args.contexts.split(",")]
     dev = jax.devices()[0]
     results = []
     print(f"device {dev.device_kind}, impl {impl}, {args.layers} layers, bf16, per-rank Hq 16 / Hkv 1 / "
           f"D 128 / Di 128, index cache {','.join(dtypes)}")
     print(f"{'index cache':>13} {'mode':>6} {'B':>4} {'ctx':>7} {'step ms':>9} {'tok/s':>10}")
-    for mode in args.modes.split(","):
+    for mode in modes:
         for dtype in (dtypes if mode == "msa" else dtypes[:1]):
             for b in batches:
                 for c in contexts:
@@ -187,14 +198,13 @@ def main(argv=None):
         first = msa_row(dtypes[0], r["batch"], r["context"])
         if first and r["index_cache_dtype"] != dtypes[0]:
             r["ratio_vs_first_dtype"] = r["step_ms"] / first["step_ms"]
-    out = {"device": dev.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
+    out = {"timer": "step latency: wall time of one serving step, block_until_ready each, "
+                    f"median of {args.iters} after 2 warm-up steps (host staging included)",
            "impl": impl, "layers": args.layers, "dtype": "bfloat16", "index_cache_dtypes": dtypes,
            "model": dataclasses.asdict(mconfigs[dtypes[0]]), "iters": args.iters,
            "results": results}
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "serving.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(path, out)
     md_path = os.path.join(args.out, "serving.md")
     with open(md_path, "w") as f:
         f.write(f"{dev.device_kind}, impl {impl}, {args.layers} layers, bf16 model, median of "

@@ -1,7 +1,6 @@
 """Microseconds per staged step for each bucket (jitted staging, block_until_ready, median).
 
-Usage (repo root): python -m bench.staging [--repeats N] [--json PATH]
-(or python bench/staging.py once the package is installed, e.g. by make install)
+Usage: python3 bench/staging.py [--repeats N] [--json PATH]
 Per bucket of the default RunnerConfig (or --max-model-len / --dcp-world-size variants) it
 times, on the dummy batch of the bucket's size with a long profiling override:
   host-us:   pack_host_batch (host validation + packing into one int32 buffer)
@@ -10,27 +9,23 @@ times, on the dummy batch of the bucket's size with a long profiling override:
 """
 from __future__ import annotations
 
+import _common  # first: repo root on sys.path, known warnings
 import argparse
 import json
 import statistics
-import time
 
 import jax
 
+from _common import host_latency_s
 from jax_msa_runner.batch.buckets import make_buckets
-from jax_msa_runner.config import RunnerConfig
 from jax_msa_runner.batch.staging import (dummy_host_batch, pack_host_batch, stage_batch,
-                                    stage_packed_jit)
+                                          stage_packed_jit)
+from jax_msa_runner.config import ConfigError, RunnerConfig
 
 
 def _median_us(fn, repeats: int) -> float:
-    fn()  # warm: compile once, outside the timing
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    """Median latency of fn() (one warm-up call first: compiles), microseconds."""
+    return statistics.median(host_latency_s(fn, repeats=repeats, warmup=1)) * 1e6
 
 
 def bench(config: RunnerConfig, repeats: int) -> list[dict]:
@@ -56,12 +51,17 @@ def bench(config: RunnerConfig, repeats: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--max-model-len", type=int, default=RunnerConfig.max_model_len)
-    parser.add_argument("--dcp-world-size", type=int, default=1)
+    parser.add_argument("--repeats", type=_common.positive_int, default=200)
+    parser.add_argument("--max-model-len", type=_common.positive_int,
+                        default=RunnerConfig.max_model_len)
+    parser.add_argument("--dcp-world-size", type=_common.positive_int, default=1)
     parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON")
     args = parser.parse_args(argv)
-    config = RunnerConfig(max_model_len=args.max_model_len, dcp_world_size=args.dcp_world_size)
+    try:
+        config = RunnerConfig(max_model_len=args.max_model_len,
+                              dcp_world_size=args.dcp_world_size)
+    except ConfigError as e:
+        parser.error(str(e))
     rows = bench(config, args.repeats)
     print(f"jax {jax.__version__} on {jax.default_backend()} "
           f"({jax.devices()[0].device_kind}); median of {args.repeats}")
@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['real_reqs']:>4} {r['host_us']:8.1f} {r['device_us']:9.1f} {r['step_us']:8.1f}")
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump(dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
-                           jax_version=jax.__version__, repeats=args.repeats,
+            json.dump(dict(meta=_common.run_meta(), repeats=args.repeats,
+                           timer=f"host latency: median of {args.repeats} calls after one "
+                                 f"warm-up, block_until_ready each",
                            config=repr(config), buckets=rows), f, indent=2)
         print(f"wrote {args.json_path}")
     return 0

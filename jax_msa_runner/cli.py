@@ -1,10 +1,11 @@
-"""Command line: ``jax-msa-runner demo`` (the main job), ``buckets`` and ``compare``.
+"""Command line: ``jax-msa-runner demo`` (the main job) and ``buckets``.
 
 - demo: the tiny default model serves a synthetic workload (jax_msa_runner.demo).
 - buckets: stages every bucket of the default RunnerConfig with each dummy kind and
   validates it (the metadata table).
-- compare: the comparison against vLLM 0.33.0's operators (tools.vllm_compare.compare).
-- logits: full-prompt logits of a checkpoint through the serving path (jax_msa_runner.logits).
+
+Every flag is checked before any work starts: a bad value exits with status 2 and one line
+on stderr naming the flag and its bound.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import time
 
 import jax
 
+from jax_msa_runner.config import RunnerConfig
+from jax_msa_runner.flags import FlagParser, bounded_int
+
 
 def run_buckets(args: argparse.Namespace) -> int:
     """Stages every bucket of the default RunnerConfig with each dummy kind and validates it.
@@ -24,7 +28,6 @@ def run_buckets(args: argparse.Namespace) -> int:
     stagings (us), and the validator's verdict. Returns 0 when every batch is valid.
     """
     from jax_msa_runner.batch.buckets import make_buckets
-    from jax_msa_runner.config import RunnerConfig
     from jax_msa_runner.batch.staging import DUMMY_KINDS, stage_dummy_batch
     from jax_msa_runner.batch.validate import MetadataInvariantError, validate_metadata
 
@@ -63,32 +66,51 @@ def run_buckets(args: argparse.Namespace) -> int:
     return 0 if failures == 0 else 1
 
 
+def build_parser() -> tuple[FlagParser, dict[str, FlagParser]]:
+    """The ``jax-msa-runner`` parser and its subcommands' parsers (``demo``, ``buckets``)."""
+    from jax_msa_runner.demo import __doc__ as demo_doc, add_demo_args
+    from jax_msa_runner.serve_cli import add_serve_args
+
+    parser = FlagParser(prog="jax-msa-runner", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    # not required=True: argparse checks required arguments before unknown ones, so
+    # `jax-msa-runner --bogus` would report the missing command instead of naming --bogus
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    demo = add_demo_args(sub.add_parser(
+        "demo", help="serve a synthetic workload with the tiny default model",
+        description=demo_doc, formatter_class=argparse.RawDescriptionHelpFormatter))
+    buckets = sub.add_parser("buckets",
+                             help="stage and validate every bucket of the default config")
+    max_len = RunnerConfig.max_model_len
+    buckets.add_argument("--profile-seq-len", type=bounded_int(1, max_len), default=None,
+                         help=f"profiling override L of the dummy sequence length, in "
+                              f"[1, {max_len}] (the default config's max_model_len)")
+    buckets.add_argument("--repeats", type=bounded_int(1), default=20,
+                         help="timed stagings per (bucket, kind) after the first (>= 1)")
+    serve = add_serve_args(sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (tiny model)"))
+    from jax_msa_runner.logits import add_logits_args
+    logits = add_logits_args(sub.add_parser("logits", help="full-prompt logits of a checkpoint"))
+    return parser, {"demo": demo, "buckets": buckets, "serve": serve, "logits": logits}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jax-msa-runner`` script."""
-    parser = argparse.ArgumentParser(prog="jax-msa-runner", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    from jax_msa_runner.demo import add_demo_args, run_demo
+    from jax_msa_runner.demo import run_demo_command
 
-    demo = sub.add_parser("demo", help="serve a synthetic workload with the tiny default model")
-    add_demo_args(demo)
-    buckets = sub.add_parser("buckets", help="stage and validate every bucket of the default config")
-    buckets.add_argument("--profile-seq-len", type=int, default=None,
-                         help="profiling override L of the dummy sequence length")
-    buckets.add_argument("--repeats", type=int, default=20,
-                         help="timed stagings per (bucket, kind) after the first")
-    from jax_msa_runner.logits import add_logits_args, run_logits
-    add_logits_args(sub.add_parser("logits", help="full-prompt logits of a checkpoint (.npy)"))
-    compare = sub.add_parser("compare", help="compare against the reference implementation",
-                             add_help=False)
-    compare.add_argument("rest", nargs=argparse.REMAINDER)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["compare"]:  # everything after the subcommand belongs to compare.py
-        from tools.vllm_compare.compare import main as compare_main
-        return compare_main(argv[1:])
+    parser, commands = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error("a command is required: demo, serve, buckets or logits")
+    if args.command == "demo":
+        return run_demo_command(commands["demo"], args)
+    if args.command == "serve":
+        from jax_msa_runner.serve_cli import run_serve
+        return run_serve(args)
     if args.command == "logits":
+        from jax_msa_runner.logits import run_logits
         return run_logits(args)
-    return run_demo(args) if args.command == "demo" else run_buckets(args)
+    return run_buckets(args)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ import sys
 
 import numpy as np
 
-from jax_msa_runner.config import RESERVED_PAGES, ModelConfig, RunnerConfig, SchedulerConfig
+from jax_msa_runner.config import (RESERVED_PAGES, ConfigError, ModelConfig, RunnerConfig,
+                                   SchedulerConfig)
+from jax_msa_runner.flags import FlagError, bounded_int
 
 
 def add_logits_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -26,30 +28,30 @@ def add_logits_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="where to write the logits, float32 [T, vocab]")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="model dtype (the router stays float32)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
-                        help="prefill chunk: tokens per step (the one bucket)")
+    parser.add_argument("--max-num-batched-tokens", type=bounded_int(1), default=512,
+                        help="prefill chunk: tokens per step (the one bucket), >= 1")
     parser.add_argument("--attention-impl", choices=("pallas", "reference"), default=None,
                         help="default: pallas on a GPU, reference elsewhere")
     return parser
 
 
 def read_token_ids(path: str, vocab_size: int) -> np.ndarray:
-    """The prompt in ``path`` as int32 [T]; ValueError naming the bound it breaks."""
+    """The prompt in ``path`` as int32 [T]; FlagError naming the bound it breaks."""
     if not os.path.exists(path):
-        raise ValueError(f"--token-ids: no such file {path!r}")
+        raise FlagError("--token-ids", f"no such file {path!r}")
     try:
         ids = np.load(path, allow_pickle=False)
     except Exception as e:  # numpy raises ValueError / OSError / UnpicklingError
-        raise ValueError(f"--token-ids: {path!r} is not a .npy array ({e})") from e
+        raise FlagError("--token-ids", f"{path!r} is not a .npy array ({e})") from None
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"--token-ids: needs a 1-D integer array, got {ids.dtype} of shape "
-                         f"{ids.shape}")
+        raise FlagError("--token-ids", f"needs a 1-D integer array, got {ids.dtype} of shape "
+                                       f"{ids.shape}")
     if ids.size == 0:
-        raise ValueError("--token-ids: needs at least 1 token, got 0")
+        raise FlagError("--token-ids", "needs at least 1 token, got 0")
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if bad.size:
-        raise ValueError(f"--token-ids: ids must be in [0, vocab_size={vocab_size}), got "
-                         f"{int(ids[bad[0]])} at index {int(bad[0])}")
+        raise FlagError("--token-ids", f"ids must be in [0, vocab_size={vocab_size}), got "
+                                       f"{int(ids[bad[0]])} at index {int(bad[0])}")
     return ids.astype(np.int32)
 
 
@@ -86,18 +88,18 @@ def prompt_logits(params: dict, mconfig: ModelConfig, token_ids: np.ndarray, *,
 
 
 def run_logits(args: argparse.Namespace) -> int:
-    """Load, prefill, write ``args.out``; returns a process exit code (2: bad input)."""
-    from jax_msa_runner.checkpoint import load
+    """Load, prefill, write ``args.out``; returns a process exit code. A bad checkpoint or
+    prompt: one stderr line naming the flag and the bound, exit status 2."""
+    from jax_msa_runner.checkpoint import CheckpointError, load
 
-    if args.max_num_batched_tokens < 1:
-        print(f"error: --max-num-batched-tokens: must be >= 1, got {args.max_num_batched_tokens}",
-              file=sys.stderr)
-        return 2
-    config, params = load(args.checkpoint, dtype=args.dtype)
     try:
+        try:
+            config, params = load(args.checkpoint, dtype=args.dtype)
+        except (CheckpointError, ConfigError, OSError) as e:
+            raise FlagError("--checkpoint", str(e)) from None
         ids = read_token_ids(args.token_ids, config.vocab_size)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except FlagError as e:
+        print(f"jax-msa-runner logits: error: {e}", file=sys.stderr)
         return 2
     logits = prompt_logits(params, config, ids, max_num_batched_tokens=args.max_num_batched_tokens,
                            attention_impl=args.attention_impl)

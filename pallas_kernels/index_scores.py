@@ -1,4 +1,4 @@
-"""MSA indexer block scores (spec section 2): Pallas (Triton) kernel and jnp reference.
+"""MSA indexer block scores: Pallas (Triton) kernel and jnp reference.
 
 S[t, h, b] = max_{i < 128, b*128 + i <= positions[t]} <index_q[t, h], index_k[page, i]>
 with page = block_table[req_indices[t], b], computed in fp32; -inf for blocks
@@ -11,7 +11,7 @@ Shapes / dtypes:
                               half the bytes of the O(L) index-K scan vs bf16; upcast exactly
                               after each page load to the dot dtype of `dot_dtype`: f16 for
                               bf16 queries, since e4m3 -> f16 is one conversion and e4m3 ->
-                              bf16 several (H200: 310 vs 420 us at B=64, L=128K))
+                              bf16 several)
   block_table    [R, P]       int32 physical page ids
   req_indices    [T]          int32 request row of each token
   positions      [T]          int32 absolute position of each token
@@ -21,8 +21,7 @@ Safety boundary: every page id is clamped to [0, N) and every request row to [0,
 an address is formed, and block-table reads stay inside columns [0, P) of that row, so a
 wrong id (a -1 sentinel, a stale or garbage entry) can never cause an out-of-bounds read.
 Such an id yields the scores of the clamped page, not an error: callers must keep the
-block-table entries a token may read in [0, N) (spec section 6 padding points them at page
-0). Index-K pages of blocks b >= nvp_t are never loaded (no memory traffic for them).
+block-table entries a token may read in [0, N) (padded rows point them at the null page 0). Index-K pages of blocks b >= nvp_t are never loaded (no memory traffic for them).
 
 Kernel layout: grid (T, ceil(P / pages_per_program)); program (t, c) owns pages
 [c * ppp, (c + 1) * ppp) of token t, loads the token's H query rows once and loops
@@ -42,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._shapes import MIN_DOT, NUM_SMS_H200, PAGE_SIZE, is_pow2, next_pow2, whole_block
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -102,7 +102,8 @@ def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> No
 
 
 def default_pages_per_program(num_tokens: int, max_pages: int) -> int:
-    """Pages per program: about 4-8 programs per H200 SM, 1 <= ppp <= 64 (a power of two)."""
+    """Pages per program: about 4-8 programs per SM of an H200, 1 <= ppp <= 64 (a power of
+    two)."""
     target = max(1, (num_tokens * max_pages) // (4 * NUM_SMS_H200))
     ppp = 1 << (target.bit_length() - 1)
     return max(1, min(ppp, 64, next_pow2(max_pages)))
@@ -170,11 +171,12 @@ def _index_scores_kernel(q_ref, k_ref, bt_ref, req_ref, pos_ref, out_ref, *,
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_program", "num_warps",
                                              "num_stages", "preload_block_table"))
 def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: jax.Array,
-                     req_indices: jax.Array, positions: jax.Array, *, interpret: bool = False,
-                     pages_per_program: int | None = None, num_warps: int = 4,
+                     req_indices: jax.Array, positions: jax.Array, *,
+                     interpret: bool | None = None, pages_per_program: int | None = None, num_warps: int = 4,
                      num_stages: int = 3, preload_block_table: bool = True) -> jax.Array:
     """Block scores [T, H, P] f32 (see module docstring) with a Pallas Triton kernel.
 
+    `interpret`: Pallas interpret mode; None (default) interprets on every backend but a GPU.
     Tunables (static): `pages_per_program` (power of two; default
     `default_pages_per_program(T, P)`), `num_warps`, `num_stages` (software pipelining depth
     of the page loop), `preload_block_table` (load the program's ppp page ids as one vector
@@ -213,7 +215,7 @@ def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
         out_specs=pl.BlockSpec((None, hs, ppp), lambda i, c: (i, 0, c)),
         out_shape=jax.ShapeDtypeStruct((t, hs, num_chunks * ppp), jnp.float32),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
+        interpret=resolve_interpret(interpret),
         name="msa_index_scores",
     )(index_q, index_k_cache, block_table, req_indices, positions)
     if out.shape != (t, h, p):

@@ -1,4 +1,8 @@
-"""MSA sparse decode: attention of each token over its 16 selected KV pages (spec section 4).
+"""MSA sparse decode: attention of each token over its 16 selected KV pages.
+
+For token t and KV head h: the softmax (scale ``scale``) of the GQA group's queries over the
+keys ``blk * 128 + i < kv_len[t]`` of the consumed slots' blocks ``blk = selected[t, h, s]``,
+page ``block_table[req_indices[t], blk]``, times the values.
 
 Kernel (Pallas, Triton backend): grid ``(T, Hkv, num_splits)``. A program owns the GQA group of
 one token and one KV head (the group's query heads, padded to >= 16, are the dot rows). Before
@@ -12,13 +16,19 @@ half page: a smaller pipeline stage) of K and V (``[keys_per_step, D]`` each) an
 online softmax (base 2, finite mask value). Splits are merged by log-sum-exp in jnp; with one
 split the kernel writes the final output.
 
-Safety boundary (in the kernel and in the reference): for a consumed slot, a block id that is
-``< 0`` or ``>= ceil(kv_len / 128)`` is replaced by block 0 before the block-table read and
-contributes nothing (the kernel skips it, the reference masks it), so the online-softmax state
-is unchanged by it. The request row is clamped to ``[0, R)`` and the page id read from the
-block table to ``[0, N)`` before they form an address. A block id ``>= P`` (beyond the block
-table's width, only possible when the table is narrower than ``kv_len`` needs) is treated like
-an out-of-range id. Keys ``blk * 128 + i`` are valid iff ``< kv_len``.
+Safety boundary (in the kernel and in the reference): a slot is consumed iff ``slot < n_use =
+min(16, ceil(kv_len / 128))`` and its block id is in ``[0, ceil(kv_len / 128))``. Any other
+slot's id is replaced by block 0 before the block-table read and contributes nothing (the
+kernel skips it, the reference masks it with selects, never by multiplying with 0), so the
+online-softmax state is unchanged by it whatever its page holds. The request row is clamped to
+``[0, R)`` and the page id read from the block table to ``[0, N)`` before they form an
+address. A block id ``>= P`` (beyond the block table's width, only possible when the table is
+narrower than ``kv_len`` needs) is treated like an out-of-range id. Keys ``blk * 128 + i`` are
+valid iff ``< kv_len``; invalid keys are removed with selects on the loaded scores and values.
+
+NaN: a NaN in a consumed, valid key or value reaches that row's output as it does in dense
+attention (a NaN key also its lse), and no other row's; ``finalize`` and the split merge keep
+it. A row without any valid key gives ``(0, -inf)``.
 """
 from __future__ import annotations
 
@@ -30,12 +40,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._shapes import MIN_DOT, NUM_SMS_H200, PAGE_SIZE, TOPK, next_pow2, whole_block
 
 MAX_GROUP_ROWS = 128  # padded GQA group rows of one program (register budget)
 FILL_PROGRAMS = 256  # below ONE_SPLIT_ROWS: smallest splits with T * Hkv * splits >= this
 ONE_SPLIT_ROWS = 64  # T * Hkv at and above which one split (no merge) is the default
-SMEM_BYTES = 227 * 1024  # H200 shared memory per block (see pipeline_smem_bytes)
+SMEM_BYTES = 227 * 1024  # shared memory per block of an H200 (Hopper) SM
 SMEM_SCRATCH = 16 * 1024  # layout conversions and reductions beside the K/V buffers
 KEYS_PER_STEP = (64, 128)  # keys of one decode loop step (one pipeline stage)
 V_MASKS = ("select", "load")  # how V's invalid rows become 0: select after the load, masked load
@@ -57,8 +68,7 @@ def step_bytes(dtype, head_dim: int, keys_per_step: int = PAGE_SIZE) -> int:
 
 def pipeline_smem_bytes(num_stages: int, stage: int) -> int:
     """Shared memory of a Triton loop pipeline of ``num_stages`` over ``stage``-byte K+V loads:
-    it buffers ``num_stages - 1`` loads in flight (ncu on the H200: 139 KiB at 3 stages of
-    64 KiB), plus scratch."""
+    Triton buffers ``num_stages - 1`` loads in flight, plus :data:`SMEM_SCRATCH`."""
     return max(1, num_stages - 1) * stage + SMEM_SCRATCH
 
 
@@ -78,14 +88,11 @@ def max_stages(stage: int) -> int:
 def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
     """Launch defaults of :func:`sparse_decode` for ``num_rows = T * Hkv`` (token, KV head) rows.
 
-    From H200 sweeps (bf16, D 128, cold L2): with ``num_rows >= 64`` one split is best (16/1
-    B=64: 28.5 us vs 30-32 us with 2-4 splits; B=128: 41 us vs 48-54 us): fewer, longer
-    programs stream their pages with less scheduling overhead. Smaller batches need more
-    programs: the smallest power of two <= 16 with ``num_rows * splits >= 256`` (16/1 B=16:
-    13.8 us with 16 splits vs 18.1 us with 8). 3 pipeline stages while the programs fit one
-    wave on 132 SMs, else 2 (64/4 B=128: s2 137 us, s3 145 us), capped by shared memory;
-    4 warps; whole-page steps (half-page steps measured no faster). Returns a dict of
-    ``num_splits, num_warps, num_stages, keys_per_step``.
+    With ``num_rows >= 64`` one split (fewer, longer programs, no merge); below that the
+    smallest power of two <= 16 with ``num_rows * splits >= 256`` programs. 3 pipeline stages
+    while the programs fit one wave on the H200's 132 SMs, else 2, capped by shared memory;
+    4 warps; whole-page steps; V's invalid rows zeroed by a select. Returns a dict of
+    ``num_splits, num_warps, num_stages, keys_per_step, v_mask``.
     """
     splits = 1
     if num_rows < ONE_SPLIT_ROWS:
@@ -170,7 +177,9 @@ def sanitize_selection(selected, kv_lens, num_cols):
 def sparse_decode_reference(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale):
     """Gather + einsum reference of :func:`sparse_decode` (same arguments, same boundary).
 
-    Returns ``(out [T,Hq,D] q.dtype, lse [T,Hq] f32)``; f32 math throughout.
+    Returns ``(out [T,Hq,D] q.dtype, lse [T,Hq] f32)``; f32 math throughout. Every slot's
+    page is gathered (the clamped one for a slot that is not consumed); everything not
+    consumed is removed with selects, so only consumed keys' NaNs reach the output.
     """
     t, hq, d, n, hkv, r, p = validate_inputs(q, kv_cache, selected, block_table, req_indices,
                                              kv_lens, name="sparse_decode_reference")
@@ -186,14 +195,16 @@ def sparse_decode_reference(q, kv_cache, selected, block_table, req_indices, kv_
     qg = q.reshape(t, hkv, g, d).astype(jnp.float32)
     s = jnp.einsum("thgd,thskd->thgsk", qg, k, precision="highest") * scale
     s = jnp.where(valid[:, :, None], s, -jnp.inf)
-    m = jnp.max(s, axis=(-2, -1), keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.max(s, axis=(-2, -1), keepdims=True)                        # NaN if a valid s is
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)                            # no valid key: 0
     prob = jnp.where(valid[:, :, None], jnp.exp(s - m_safe), 0.0)
     l = jnp.sum(prob, axis=(-2, -1))                                     # [T,Hkv,G]
     o = jnp.einsum("thgsk,thskd->thgd", prob, jnp.where(valid[..., None], v, 0.0),
                    precision="highest")
-    out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    lse = jnp.where(l > 0, m_safe[..., 0, 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    empty = l == 0                                                       # False for NaN
+    l_safe = jnp.where(empty, 1.0, l)
+    out = jnp.where(empty[..., None], 0.0, o / l_safe[..., None])
+    lse = jnp.where(empty, -jnp.inf, m_safe[..., 0, 0] + jnp.log(l_safe))
     return out.reshape(t, hq, d).astype(q.dtype), lse.reshape(t, hq)
 
 
@@ -208,6 +219,13 @@ def online_softmax_step(carry, q, k, v, key_ok, scale_log2, row_weight=None, mas
     K = 128 keys of a page or fewer); ``key_ok [M,K]`` or ``[1,K]`` bool; ``row_weight [M] f32``
     (optional) multiplies the row's probabilities (a page selected twice counts twice);
     ``mask_v=False`` when the caller already zeroed V's invalid rows (a masked load).
+
+    Invalid keys are removed by selects (scores to the mask value, probabilities and V rows to
+    0), so whatever they hold never reaches the state. A NaN score of a valid key makes the
+    row's ``l`` NaN (whether or not the max propagates NaN: on a GPU it does not). With a
+    per-row ``key_ok [M,K]`` (rows of different tokens) a non-finite V row valid for some rows
+    only is zeroed for the dot and the rows that take it get a NaN ``acc`` instead, so a row
+    never sees another row's values; with ``[1,K]`` NaN/inf in V reach ``acc`` through the dot.
     """
     acc, m, l = carry
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale_log2
@@ -219,36 +237,53 @@ def online_softmax_step(carry, q, k, v, key_ok, scale_log2, row_weight=None, mas
         p = p * row_weight[:, None]
     p = jnp.where(key_ok, p, 0.0)
     l_new = alpha * l + jnp.sum(p, axis=1)
-    if mask_v:
+    per_row = key_ok.shape[0] > 1
+    row_bad = None
+    if per_row:  # a non-finite V row must not leak, through p = 0, into rows not taking it
+        bad = ~jnp.isfinite(v)                                           # [K,D]
+        bad_key = jnp.max(bad.astype(jnp.int32), axis=1) > 0             # [K]
+        row_bad = jnp.max(jnp.where(key_ok & bad_key[None, :], 1, 0), axis=1) > 0  # [M]
         v_ok = jnp.max(key_ok.astype(jnp.int32), axis=0) > 0             # [K]
+        v = jnp.where(v_ok[:, None] & ~bad, v, jnp.zeros_like(v))
+    elif mask_v:
+        v_ok = key_ok[0]                                                 # [K]
         v = jnp.where(v_ok[:, None], v, jnp.zeros_like(v))
     acc_new = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v,
                                              preferred_element_type=jnp.float32)
+    if row_bad is not None:
+        acc_new = jnp.where(row_bad[:, None], jnp.nan, acc_new)
     return acc_new, m_new, l_new
 
 
 def finalize(acc, m, l):
     """Normalised output and natural-log LSE of a finished softmax state ``(acc [M,D], m [M],
-    l [M])``; rows without a visible key give ``(0, -inf)``."""
-    nonempty = l > 0
-    l_safe = jnp.where(nonempty, l, 1.0)
-    out = jnp.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
-    lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    l [M])``; rows without a visible key (``l == 0``) give ``(0, -inf)``; a NaN in ``acc``
+    or ``l`` stays NaN in the row's output (and in its lse when ``l`` or ``m`` is NaN)."""
+    empty = l == 0                                                       # False for NaN
+    l_safe = jnp.where(empty, 1.0, l)
+    out = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
     return out, lse
 
 
 def merge_splits(o, lse):
-    """LSE merge over axis 0: ``o [S,...,D] f32`` normalised partials, ``lse [S,...] f32``."""
-    m = jnp.max(lse, axis=0)
+    """LSE merge over axis 0: ``o [S,...,D] f32`` normalised partials, ``lse [S,...] f32``.
+
+    Empty splits (``lse = -inf``, ``o = 0``) weigh 0; when every split is empty the result is
+    ``(0, -inf)``. A NaN lse of any split makes the merged row and lse NaN, a NaN in a split's
+    ``o`` makes those output elements NaN (its weight, even 0, multiplies it): NaN is never
+    dropped.
+    """
+    m = jnp.max(jnp.where(jnp.isnan(lse), -jnp.inf, lse), axis=0)        # max of the non-NaN
     m = jax.lax.optimization_barrier(m)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m_safe[None])                                      # exp(-inf) = 0
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lse - m_safe[None])                                      # exp(-inf) = 0; NaN stays
     wsum = jnp.sum(w, axis=0)
-    nonempty = wsum > 0
-    wsum_safe = jnp.where(nonempty, wsum, 1.0)
+    empty = wsum == 0                                                    # False for NaN
+    wsum_safe = jnp.where(empty, 1.0, wsum)
     out = jnp.sum(w[..., None] * o, axis=0) / wsum_safe[..., None]
-    out = jnp.where(nonempty[..., None], out, 0.0)
-    lse_out = jnp.where(nonempty, m_safe + jnp.log(wsum_safe), -jnp.inf)
+    out = jnp.where(empty[..., None], 0.0, out)
+    lse_out = jnp.where(empty, -jnp.inf, m_safe + jnp.log(wsum_safe))
     return out, lse_out
 
 
@@ -325,9 +360,9 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_warps",
                                              "num_stages", "keys_per_step", "v_mask"))
 def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
-                  interpret=False, num_splits=None, num_warps=None, num_stages=None,
+                  interpret=None, num_splits=None, num_warps=None, num_stages=None,
                   keys_per_step=None, v_mask=None):
-    """MSA sparse decode (spec section 4) with the kernel safety boundary.
+    """MSA sparse decode with the kernel safety boundary (see the module docstring).
 
     Args:
       q: ``[T, Hq, D]`` bf16/f16/f32, D a power of two >= 16.
@@ -336,7 +371,8 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
         load nothing).
       block_table: ``[R, P]`` int32 page ids; req_indices ``[T]`` int32 rows of it.
       kv_lens: ``[T]`` int32 visible keys per token (0 = padded row).
-      scale: softmax scale (static). interpret: Pallas interpret mode (CPU).
+      scale: softmax scale (static). interpret: Pallas interpret mode; None (default): on
+        every backend but a GPU.
       num_splits: split-K factor in {1, 2, 4, 8, 16}; keys_per_step: keys per loop step (one
         pipeline stage of ``keys_per_step * 2D`` elements) in {64, 128}; num_warps,
         num_stages: Triton launch tunables (``num_stages - 1`` stage buffers must fit 227 KiB);
@@ -346,7 +382,8 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
         4 warps, 3 stages, 128 keys).
     Returns:
       ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``; lse is the natural-log LSE of the scaled
-      scores; rows without a visible key give zeros and -inf.
+      scores; rows without a visible key give zeros and -inf; a NaN in a consumed key or
+      value makes its row NaN.
     """
     t, hq, d, n, hkv, r, p = validate_inputs(q, kv_cache, selected, block_table, req_indices,
                                              kv_lens, name="sparse_decode")
@@ -394,7 +431,7 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
         out_shape=[jax.ShapeDtypeStruct((splits, t, hkv, m_rows, d), out_dtype),
                    jax.ShapeDtypeStruct((splits, t, hkv, m_rows), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
+        interpret=resolve_interpret(interpret),
         name="msa_sparse_decode",
     )(req_indices, kv_lens, block_table, selected, qg, kv_cache)
     if splits == 1:

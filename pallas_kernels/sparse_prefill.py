@@ -1,4 +1,4 @@
-"""MSA sparse prefill: sparse decode semantics for many tokens, page loads shared (spec section 5).
+"""MSA sparse prefill: sparse decode semantics for many tokens, page loads shared.
 
 Same contract as :func:`pallas_kernels.sparse_decode.sparse_decode` (prefill rows pass
 ``kv_len = position + 1``). The kernel tiles the tokens: ``tokens_per_tile`` consecutive tokens
@@ -14,6 +14,11 @@ The kernel re-derives every row's selection from the raw ``selected`` with the s
 (negative or ``>= ceil(kv_len/128)`` ids and slots ``>= n_use`` contribute nothing) and clamps
 the union entry's request row, block and page id before forming an address, so a malformed union
 can only waste work, never read out of bounds or change the result.
+
+A tile's rows belong to different tokens, so a key can be valid for some rows and not for
+others. Scores and probabilities are masked per row with selects; a V row that is NaN or inf
+is zeroed for the shared dot and the rows that consume it get a NaN output instead, so a NaN
+reaches exactly the rows that consume it (as in dense attention) and no other.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._shapes import NUM_SMS_H200, PAGE_SIZE, TOPK, whole_block
 from pallas_kernels.sparse_decode import (
     LOG2E, MASK, _check_tunable, check_pipeline_fits, consumed_slots, finalize,
@@ -45,12 +51,11 @@ def default_num_splits(num_programs: int) -> int:
 def default_num_stages(dtype, head_dim: int, tile_rows: int, num_warps: int) -> int:
     """Pipeline depth for a program of ``tile_rows`` dot rows on ``num_warps`` warps.
 
-    H200 sweep (bf16, D 128, a 2048-token chunk at 32K and 128K; bench/prefill.py): the
-    default 64-row tile (4 tokens x 16 heads) on 4 warps runs fastest unpipelined, 1 stage
-    (16/1: 287 vs 418 us with 2; 64/4: 967 vs 1490 us); 32-row tiles, and 64- or 128-row
-    tiles on 8 warps, are 2-20% faster with 2. Otherwise the stage buffers (``stages * 128 *
-    2D * itemsize``, counted more conservatively than Triton's ``stages - 1``: a prefill
-    program's larger dots need more scratch) stay within ~160 KiB: bf16 D=128 -> 2, f32 -> 1.
+    The default 64-row tile (4 tokens x 16 heads) on 4 warps: 1 stage (unpipelined; the
+    ``bench/prefill.py --sweep`` choice). Otherwise the deepest pipeline, at most 3, whose
+    stage buffers (``stages * 128 * 2D * itemsize``, counted more conservatively than
+    Triton's ``stages - 1``: a prefill program's larger dots need more scratch) stay within
+    160 KiB: bf16 D=128 -> 2, f32 -> 1.
     """
     if tile_rows == 64 and num_warps == 4:
         return 1
@@ -149,7 +154,7 @@ def _prefill_kernel(row_ref, len_ref, cnt_ref, bt_ref, sel_ref, union_ref, q_ref
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "tokens_per_tile",
                                              "num_splits", "num_warps", "num_stages"))
 def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
-                   interpret=False, tokens_per_tile=4, num_splits=None, num_warps=None,
+                   interpret=None, tokens_per_tile=4, num_splits=None, num_warps=None,
                    num_stages=None):
     """MSA sparse prefill: :func:`sparse_decode` semantics, page loads shared by a token tile.
 
@@ -158,14 +163,16 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
       kv_cache: ``[N, Hkv, 128, 2D]`` (K then V), q's dtype.
       selected: ``[T, Hkv, 16]`` int32; block_table ``[R, P]``, req_indices ``[T]``,
         kv_lens ``[T]`` (``position + 1`` for prefill rows) int32.
-      scale: softmax scale (static). interpret: Pallas interpret mode (CPU).
+      scale: softmax scale (static). interpret: Pallas interpret mode; None (default): on
+        every backend but a GPU.
       tokens_per_tile: consecutive tokens per program (power of two; rows = TQ * padded group
         <= 256). num_splits: split of a tile's page union in {1, 2, 4, 8, 16}; default fills
         132 SMs. num_warps (default 4 up to 64 rows, else 8), num_stages (default
         :func:`default_num_stages`; ``num_stages - 1`` page buffers must fit 227 KiB): Triton
         tunables.
     Returns:
-      ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``; rows without a visible key give 0 / -inf.
+      ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``; rows without a visible key give 0 / -inf;
+      a NaN in a consumed key or value makes its row NaN.
     """
     t, hq, d, n, hkv, r, p = validate_inputs(q, kv_cache, selected, block_table, req_indices,
                                              kv_lens, name="sparse_prefill")
@@ -224,7 +231,7 @@ def sparse_prefill(q, kv_cache, selected, block_table, req_indices, kv_lens, *, 
         out_shape=[jax.ShapeDtypeStruct((splits, tiles, hkv, tq * gp, d), out_dtype),
                    jax.ShapeDtypeStruct((splits, tiles, hkv, tq * gp), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
+        interpret=resolve_interpret(interpret),
         name="msa_sparse_prefill",
     )(rows, lens, count, block_table, sel, union, qg, kv_cache)
     if splits == 1:

@@ -1,4 +1,4 @@
-"""MSA page top-k selection (spec section 3): Pallas (Triton) kernel and jnp reference.
+"""MSA page top-k selection: Pallas (Triton) kernel and jnp reference.
 
 Per (token t, head h) row of block scores:
   1. n = clamp(num_valid_pages[t], 0, P).
@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._shapes import PAGE_SIZE, TOPK, is_pow2, next_pow2
 from pallas_kernels.index_scores import msa_index_scores, msa_index_scores_reference
 
@@ -103,7 +104,7 @@ def _topk_select_kernel(s_ref, cnt_ref, out_ref, *, max_pages: int, topk: int,
 
 
 def _select_call(scores, counts, *, topk: int, local_blocks: int, init_blocks: int,
-                 interpret: bool, num_warps: int, counts_are_positions: bool):
+                 interpret: bool | None, num_warps: int, counts_are_positions: bool):
     """The pallas_call of the selector; `counts` [T] int32 is num_valid_pages or positions."""
     if num_warps < 1 or not is_pow2(num_warps):
         raise ValueError(f"num_warps: must be a power of two >= 1, got {num_warps}")
@@ -123,7 +124,7 @@ def _select_call(scores, counts, *, topk: int, local_blocks: int, init_blocks: i
         out_specs=pl.BlockSpec((None, hs, topk), lambda i: (i, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((t, hs, topk), jnp.int32),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
+        interpret=resolve_interpret(interpret),
         name="sparse_topk_select",
     )(scores, counts)
     return out[:, :h] if hs != h else out
@@ -132,10 +133,11 @@ def _select_call(scores, counts, *, topk: int, local_blocks: int, init_blocks: i
 @functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks",
                                              "interpret", "num_warps"))
 def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: int = TOPK,
-                       local_blocks: int = 1, init_blocks: int = 0, interpret: bool = False,
-                       num_warps: int = 4) -> jax.Array:
+                       local_blocks: int = 1, init_blocks: int = 0,
+                       interpret: bool | None = None, num_warps: int = 4) -> jax.Array:
     """Selected block ids [T, H, topk] int32 (see module docstring), Pallas Triton kernel.
 
+    `interpret`: Pallas interpret mode; None (default) interprets on every backend but a GPU.
     Tunable (static): `num_warps`.
     """
     _validate(scores, num_valid_pages, topk, local_blocks, init_blocks)
@@ -171,8 +173,8 @@ def _num_valid_pages(positions: jax.Array) -> jax.Array:
                                              "num_stages", "preload_block_table",
                                              "select_num_warps"))
 def msa_index_select(index_q: jax.Array, index_k_cache: jax.Array, block_table: jax.Array,
-                     req_indices: jax.Array, positions: jax.Array, *, interpret: bool = False,
-                     pages_per_program: int | None = None, num_warps: int = 4,
+                     req_indices: jax.Array, positions: jax.Array, *,
+                     interpret: bool | None = None, pages_per_program: int | None = None, num_warps: int = 4,
                      num_stages: int = 3, preload_block_table: bool = True,
                      select_num_warps: int = 4) -> jax.Array:
     """Indexer + selection: [T, H, 16] int32 block ids of the MSA decode/prefill path.
@@ -180,7 +182,8 @@ def msa_index_select(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
     `msa_index_scores` (shapes as there) then `sparse_topk_select` with
     num_valid_pages = positions // 128 + 1 (computed inside the selector kernel: two kernel
     launches, no other device op), topk 16, local block forced, no init blocks.
-    Tunables are those of the two kernels (`select_num_warps` is the selector's num_warps).
+    `interpret` as in the two kernels (None: automatic). Tunables are those of the two
+    kernels (`select_num_warps` is the selector's num_warps).
     """
     scores = msa_index_scores(index_q, index_k_cache, block_table, req_indices, positions,
                               interpret=interpret, pages_per_program=pages_per_program,

@@ -215,6 +215,20 @@ def test_tokenizer_round_trip(tmp_path):
         ids = tok.encode(text)
         assert ids == trained.encode(text).ids and tok.decode(ids) == text
     assert len(tok.encode("the quick brown fox")) < len("the quick brown fox")  # merges learnt
+    assert tok.token_str(trained.token_to_id("<eos>")) == "<eos>"
+    pieces = [tok.token_str(i) for i in range(tok.vocab_size)]
+    assert len(set(pieces)) == tok.vocab_size  # distinct per id
+    with pytest.raises(ValueError, match=r"token id 300: must be in \[0, vocab_size=300\)"):
+        tok.decode([1, 300])
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    padded = load_tokenizer(tmp_path, vocab_size=TEXT_CFG.vocab_size)  # model vocab 320
+    assert padded.vocab_size == 320 and padded.encode("hello") == tok.encode("hello")
+    hello = tok.encode("hello")
+    assert padded.decode(hello + [305] + hello) == "hello<|305|>hello"
+    assert padded.token_str(319) == "<|319|>" and padded.token_str(hello[0]) == tok.token_str(hello[0])
+    with pytest.raises(ValueError, match=r"300 tokens, more than the model's vocab_size=299"):
+        load_tokenizer(tmp_path, vocab_size=299)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
     assert load_tokenizer(tmp_path).eos_token_ids == (5, 7)
 
@@ -283,5 +297,12 @@ def test_demo_serves_text_from_a_checkpoint(text_checkpoint, capsys):
     assert rc == 0, out
     assert "model: 2 layers (1 MSA, 1 dense)" in out and "compilations after warm-up: 0" in out
     assert "'hello world' -> '" in out and "'the lazy fox' -> '" in out
-    assert main(["--prompt", "hello"]) == 2  # text prompts need a checkpoint's tokenizer
-    assert "error: --prompt needs --checkpoint DIR with a tokenizer.json" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:  # text prompts need a checkpoint's tokenizer
+        main(["--prompt", "hello"])
+    assert exit_.value.code == 2
+    assert ("error: argument --prompt: needs --checkpoint DIR with a tokenizer.json"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--checkpoint", str(folder / "nope")])
+    assert exit_.value.code == 2
+    assert "error: argument --checkpoint: " in capsys.readouterr().err

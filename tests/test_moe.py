@@ -1,4 +1,6 @@
 """MoE MLP: routing, grouped-matmul experts against a per-token NumPy loop, padding, config."""
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -95,15 +97,10 @@ def test_router_is_f32_for_bf16_models():
     run = jax.jit(moe_mlp, static_argnums=3)
     out_bf16, _ = run(layer, x.astype(jnp.bfloat16), jnp.ones((9,), bool), cfg)
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32), layer)
-    out_f32, _ = run(f32, x, jnp.ones((9,), bool), dataclasses_replace(cfg, dtype="float32"))
+    out_f32, _ = run(f32, x, jnp.ones((9,), bool), dataclasses.replace(cfg, dtype="float32"))
     assert out_bf16.dtype == jnp.bfloat16
     chex.assert_tree_all_finite(out_bf16)
     chex.assert_trees_all_close(out_bf16.astype(jnp.float32), out_f32, atol=0.15, rtol=0.05)
-
-
-def dataclasses_replace(cfg, **kw):
-    import dataclasses
-    return dataclasses.replace(cfg, **kw)
 
 
 def test_padding_tokens_are_outside_the_groups():

@@ -1,4 +1,4 @@
-"""Decode context parallelism (DCP) of MSA attention on a JAX device mesh (spec section 7).
+"""Decode context parallelism (DCP) of MSA attention on a JAX device mesh.
 
 W ranks form the mesh axis ``"dcp"``. The context of every request is split page-wise by the
 interleave rule (I = 128, one MSA block per unit): global block g lives on rank ``g % W`` as
@@ -261,7 +261,7 @@ def prepare_global_scores(local_scores: jax.Array, num_valid_pages: jax.Array,
 
 
 def local_candidates(x: jax.Array, gid: jax.Array, *, topk: int = TOPK,
-                     use_kernel: bool, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                     use_kernel: bool, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """The rank's ``topk`` best blocks by (score desc, id asc): (scores, global ids) [T, H, topk].
 
     x [T, H, Pl] prepared scores, gid [Pl] their global ids. use_kernel: the Pallas
@@ -343,7 +343,7 @@ def local_kv_lens(md: BatchMetadata, world_size: int, rank) -> jax.Array:
 
 def rank_msa_attention(q: jax.Array, index_q: jax.Array, kv: jax.Array, index_k: jax.Array,
                        md: BatchMetadata, *, world_size: int, scale: float,
-                       use_kernels: bool = True, interpret: bool = False,
+                       use_kernels: bool = True, interpret: bool | None = None,
                        init_blocks: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """DCP MSA attention of this rank (call inside a shard_map over "dcp").
 
@@ -405,7 +405,7 @@ def _check_shards(kv_shards, index_k_shards, world_size: int) -> None:
 
 @functools.partial(jax.jit, static_argnames=("mesh", "interpret", "use_kernels", "init_blocks"))
 def dcp_index_select(index_q: jax.Array, index_k_shards: jax.Array, md: BatchMetadata,
-                     mesh: Mesh, *, interpret: bool = False, use_kernels: bool = True,
+                     mesh: Mesh, *, interpret: bool | None = None, use_kernels: bool = True,
                      init_blocks: int = 0) -> tuple[jax.Array, jax.Array]:
     """The distributed MSA indexer + top-16 select.
 
@@ -435,7 +435,7 @@ def dcp_index_select(index_q: jax.Array, index_k_shards: jax.Array, md: BatchMet
                                              "init_blocks"))
 def dcp_msa_attention(q: jax.Array, index_q: jax.Array, kv_shards: jax.Array,
                       index_k_shards: jax.Array, md: BatchMetadata, mesh: Mesh, *,
-                      scale: float, interpret: bool = False, use_kernels: bool = True,
+                      scale: float, interpret: bool | None = None, use_kernels: bool = True,
                       init_blocks: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """MSA attention of a padded batch with the context split over the mesh's "dcp" ranks.
 
@@ -446,7 +446,8 @@ def dcp_msa_attention(q: jax.Array, index_q: jax.Array, kv_shards: jax.Array,
         ``shard_to_mesh``). md: BatchMetadata staged with ``dcp_world_size = W`` (global
         positions / lengths, rank-local block table), replicated.
       mesh: ``make_dcp_mesh(W)`` (static). scale: softmax scale (static).
-      interpret: Pallas interpret mode (CPU). use_kernels: Pallas kernels or jnp references.
+      interpret: Pallas interpret mode (None: on every backend but a GPU).
+      use_kernels: Pallas kernels or jnp references.
     Returns:
       (out [T, Hq, D] q.dtype, lse [T, Hq] f32, selected [T, Hkv, 16] int32 global block
       ids), replicated; equal to ``jax_msa_runner.attention.msa`` on the global caches.

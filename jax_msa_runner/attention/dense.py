@@ -1,7 +1,7 @@
 """Plain jnp paged causal attention (dense layers, and the dense baseline of MSA layers).
 
-Every token attends to keys ``[0, kv_len_t)`` of its request (kv_len from seq_lens, spec
-section 4), page by page with an online softmax. The page loop runs only up to the
+Every token attends to keys ``[0, kv_len_t)`` of its request (kv_len from seq_lens), page
+by page with an online softmax. The page loop runs only up to the
 largest page count in the batch, so cost follows the real context, not max_model_len.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ from pallas_kernels.topk_select import sparse_topk_select, sparse_topk_select_re
 @functools.partial(jax.jit, static_argnames=("scale", "prefill", "interpret", "local_blocks",
                                              "init_blocks"))
 def msa_attention(q, index_q, kv_cache, index_k_cache, md, *, scale, prefill=False,
-                  interpret=False, local_blocks=1, init_blocks=0):
+                  interpret=None, local_blocks=1, init_blocks=0):
     """MSA attention of a padded batch.
 
     Args:
@@ -32,8 +32,10 @@ def msa_attention(q, index_q, kv_cache, index_k_cache, md, *, scale, prefill=Fal
         index_q's dtype or float8_e4m3fn (upcast in the indexer).
       md: BatchMetadata (or any pytree with its field names) padded to T tokens.
       scale: softmax scale (static). prefill: use the prefill kernel, which shares page
-        loads across consecutive tokens of a request (static). interpret: Pallas interpret.
-      local_blocks, init_blocks: the selector's forced blocks (static; spec section 3).
+        loads across consecutive tokens of a request (static). interpret: Pallas interpret
+        mode (static); None: on every backend but a GPU.
+      local_blocks, init_blocks: the selector's forced blocks (static;
+        docs/DESIGN.md, "Selection").
     Returns:
       (out [T, Hq, D] q.dtype, lse [T, Hq] f32, selected [T, Hkv, 16] int32).
     """

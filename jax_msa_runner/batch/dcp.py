@@ -1,4 +1,4 @@
-"""Decode-context-parallel (DCP) metadata helpers (spec section 7), pure jnp.
+"""Decode-context-parallel (DCP) metadata helpers, pure jnp.
 
 W ranks, interleave I (128 for MSA: one page per unit). Token position p lives on rank
 ``(p // I) % W`` at rank-local position ``(p // (I*W)) * I + p % I``; global page g is local

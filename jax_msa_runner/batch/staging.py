@@ -1,4 +1,4 @@
-"""Batch-metadata staging: scheduler arrays -> padded ``BatchMetadata`` (spec sections 6, 8).
+"""Batch-metadata staging: scheduler arrays -> padded ``BatchMetadata``.
 
 Flow of one step:
   1. ``pack_host_batch`` (host, numpy): validate the scheduler's compact arrays and pack them
@@ -223,7 +223,7 @@ class DummyHostBatch(NamedTuple):
 
 
 def dummy_query_lens(num_tokens: int, config: RunnerConfig, kind: str) -> np.ndarray:
-    """Per-row query lengths of a dummy batch of ``num_tokens`` tokens (spec section 6). int64 [n].
+    """Per-row query lengths of a dummy batch of ``num_tokens`` tokens. int64 [n].
 
     default: R = min(N, S) rows of N // R, the remainder on the last row.
     uniform_decode: rows of q = 1 + num_spec_tokens, R = min(S, ceil(N / q)); when R is not
@@ -286,7 +286,7 @@ def dummy_host_batch(num_tokens: int, config: RunnerConfig, *, kind: str = "defa
 def stage_dummy_batch(num_tokens: int, config: RunnerConfig, *, kind: str = "default",
                       profile_seq_len: int | None = None, build_attention: bool = True,
                       dcp_context_len: int | None = None) -> BatchMetadata | None:
-    """Stages the dummy batch of ``num_tokens`` tokens (spec section 6) in its bucket.
+    """Stages the dummy batch of ``num_tokens`` tokens in its bucket.
 
     kind: "default" | "uniform_decode" | "mixed" (see ``dummy_query_lens``).
     profile_seq_len: profiling override L of every row's target sequence length.

@@ -1,4 +1,4 @@
-"""Metadata invariant checks (spec sections 4 and 6): on the host, or under checkify in jit.
+"""Metadata invariant checks: on the host, or under checkify in jit.
 
 ``validate_metadata`` (numpy, host) raises ``MetadataInvariantError`` at the first violated
 check, naming the field, the row/token and the values. ``checked_validate`` emits the same
@@ -6,7 +6,8 @@ checks with ``jax.experimental.checkify`` so a debug-mode step can run them insi
 
 Checks, in order (the first failure is reported):
   rows: num_computed >= 0, num_scheduled >= 0, seq_len <= max_model_len, seq_len >=
-  num_scheduled, invariant 1, req_mask == (num_scheduled > 0) as a prefix, padded rows zero
+  num_scheduled, invariant 1 (the numbered invariants are in docs/DESIGN.md), req_mask ==
+  (num_scheduled > 0) as a prefix, padded rows zero
   (lengths and block table), query_start_loc = [0, cumsum(num_scheduled)];
   tokens: token_mask prefix of query_start_loc[-1] tokens, req_indices, query_pos,
   kv_lens = seq_len - q_len + query_pos + 1 (consumer side, from seq_lens), selector/consumer

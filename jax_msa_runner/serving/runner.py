@@ -1,10 +1,13 @@
 """The model runner: one compiled step per bucket, warm-up through dummy batches, serving.
 
-A step takes ONE int32 host buffer per call (``[packed metadata | token ids | seeds |
-sample index | temperature bits]``), stages the ``BatchMetadata`` on the device with
-``stage_packed`` inside the compiled step, runs the model (writing the caches in place:
-the cache pytree is donated), and samples one token per request row (greedy at
-temperature 0, else categorical with key ``fold_in(key(seed), output_index)``).
+A step takes ONE int32 host buffer per call (``[packed metadata | token ids | per-row
+sampling parameters]``, floats bitcast; layout in ``sampling``), stages the
+``BatchMetadata`` on the device with ``stage_packed`` inside the compiled step, runs the
+model (writing the caches in place: the cache pytree is donated), and samples one token per
+request row on the device (``sampling.sample_step``: penalties from the donated per-slot
+penalty state, greedy or temperature / top-k / top-p / min-p with key
+``fold_in(key(seed), output_index)``, the model's logprobs of the chosen and the top-20
+tokens). Its one int32 output array comes back in one copy.
 
 Start-up (``warm_up``) compiles every bucket ahead of time on the inputs of a
 ``stage_dummy_batch`` dummy batch and runs it (the analogue of CUDA-graph capture), then
@@ -15,7 +18,8 @@ compiles, process-wide) proves it.
 
 Where the arrays live (one device, or a decode-context-parallel mesh with per-rank caches
 of ``num_pages`` pages each) is ``attention.parallel``'s business; the runner passes its
-``mesh`` (None on one device) through.
+``mesh`` (None on one device) through. The model runs once per rank; sampling runs on its
+replicated logits, with the penalty state replicated.
 """
 from __future__ import annotations
 
@@ -40,74 +44,56 @@ from jax_msa_runner.batch.validate import validate_metadata
 from jax_msa_runner.config import ModelConfig, RunnerConfig
 from jax_msa_runner.model import compute_logits, forward, init_params
 from jax_msa_runner.serving.compile_count import CompileCounter
+from jax_msa_runner.serving.sampling import (PenaltyState, SamplingRows, StepOutput,
+                                             init_penalty_state, pack_rows, rows_buffer_size,
+                                             sample_step, unpack_rows, unpack_step_output)
 from jax_msa_runner.serving.scheduler import ScheduledBatch, Scheduler
 
 # ---- the step --------------------------------------------------------------------------------
 
 def host_buffer_size(bucket: Bucket) -> int:
-    """int32 entries of a step's host buffer: packed metadata + T tokens + 3R sampling."""
-    return packed_size(bucket) + bucket.num_tokens + 3 * bucket.num_reqs
+    """int32 entries of a step's host buffer: packed metadata + T tokens + the rows' sampling."""
+    return packed_size(bucket) + bucket.num_tokens + rows_buffer_size(bucket.num_reqs)
 
 
-def pack_step_inputs(packed: np.ndarray, token_ids: np.ndarray, seeds: np.ndarray,
-                     sample_index: np.ndarray, temperature: np.ndarray, bucket: Bucket) -> np.ndarray:
-    """One int32 buffer [host_buffer_size(bucket)] (rows/tokens zero-padded to the bucket)."""
-    T, R = bucket.num_tokens, bucket.num_reqs
-
-    def pad(a, n, dtype):
-        out = np.zeros((n,), dtype)
-        out[:len(a)] = a
-        return out
-
-    temp_bits = pad(np.asarray(temperature, np.float32), R, np.float32).view(np.int32)
-    return np.concatenate([packed.astype(np.int32), pad(token_ids, T, np.int32),
-                           pad(seeds, R, np.int32), pad(sample_index, R, np.int32), temp_bits])
+def pack_step_inputs(packed: np.ndarray, token_ids: np.ndarray, rows: SamplingRows,
+                     bucket: Bucket) -> np.ndarray:
+    """One int32 buffer [host_buffer_size(bucket)] (tokens zero-padded, rows padded neutral)."""
+    T = bucket.num_tokens
+    tokens = np.zeros((T,), np.int32)
+    tokens[:len(token_ids)] = token_ids
+    return np.concatenate([packed.astype(np.int32), tokens, pack_rows(rows, bucket.num_reqs)])
 
 
-def sample_tokens(logits: jax.Array, temperature: jax.Array, seeds: jax.Array,
-                  sample_index: jax.Array) -> jax.Array:
-    """logits [R, V] f32 -> int32 [R]: argmax where temperature == 0, else a categorical draw
-    with key fold_in(key(seed), sample_index) (independent of batch composition)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _model_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
+                rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
+                interpret: bool, attention_mode: str, all_token_logits: bool
+                ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
+    """The model on one device or one DCP rank (caches: the rank's own, leaves [N, ...]).
 
-    def draw(lg, t, s, i):
-        key = jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), i)
-        return jax.random.categorical(key, lg / jnp.maximum(t, 1e-6)).astype(jnp.int32)
-
-    drawn = jax.vmap(draw)(logits, temperature, seeds, sample_index)
-    return jnp.where(temperature > 0, drawn, greedy)
-
-
-def _step_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
-               rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str, interpret: bool,
-               attention_mode: str, all_token_logits: bool = False
-               ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
-    """One step on one device or one DCP rank (caches: the rank's own, leaves [N, ...])."""
-    R, T = bucket.num_reqs, bucket.num_tokens
+    Returns (logits f32 [R, V] of each row's last token, the step's logits: the same, or
+    [T, V] of every token with all_token_logits, caches, metadata): the tuple
+    ``per_rank_step`` expects; ``serve_step`` samples from the first.
+    """
+    T = bucket.num_tokens
     o = packed_size(bucket)
     md = stage_packed(host_buf[:o], bucket, rconfig)
-    tokens = host_buf[o:o + T]
-    seeds = host_buf[o + T:o + T + R]
-    sample_index = host_buf[o + T + R:o + T + 2 * R]
-    temperature = jax.lax.bitcast_convert_type(host_buf[o + T + 2 * R:], jnp.float32)
-    hidden, caches = forward(params, caches, tokens, md, config=mconfig,
+    hidden, caches = forward(params, caches, host_buf[o:o + T], md, config=mconfig,
                              attention_impl=attention_impl, attention_mode=attention_mode,
                              dcp_world_size=rconfig.dcp_world_size, interpret=interpret)
     last = jnp.clip(md.query_start_loc[1:] - 1, 0, T - 1)  # last token of each row
     if all_token_logits:
-        logits = compute_logits(params, hidden, mconfig)  # [T, V]
-        nxt = sample_tokens(logits[last], temperature, seeds, sample_index)
-    else:
-        logits = compute_logits(params, hidden[last], mconfig)  # [R, V]
-        nxt = sample_tokens(logits, temperature, seeds, sample_index)
-    return jnp.where(md.req_mask, nxt, -1), logits, caches, md
+        logits = compute_logits(params, hidden, mconfig)
+        return logits[last], logits, caches, md
+    logits = compute_logits(params, hidden[last], mconfig)
+    return logits, logits, caches, md
 
 
-def serve_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
-               rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
+def serve_step(params: dict, caches: KVCaches, penalties: PenaltyState, host_buf: jax.Array, *,
+               bucket: Bucket, rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
                interpret: bool = False, mesh: Mesh | None = None, attention_mode: str = "msa",
                all_token_logits: bool = False
-               ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
+               ) -> tuple[jax.Array, jax.Array, KVCaches, PenaltyState, BatchMetadata]:
     """One serving step for ``bucket`` (static). host_buf int32 [host_buffer_size(bucket)].
 
     attention_mode (static): "msa" (what the runner serves) or "dense" (every MSA layer on
@@ -115,21 +101,28 @@ def serve_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: B
 
     Without DCP (rconfig.dcp_world_size == 1, mesh None) caches are leaves [N, ...]. With
     DCP, mesh is the "dcp" mesh of W devices and caches are per-rank stacks [W, N_local, ...]
-    sharded over it; the step runs in one shard_map (params, host_buf replicated).
-    Returns (next_tokens int32 [R] (-1 on padded rows), logits f32 [R, V] of each row's
-    last token (with all_token_logits (static): [T, V] of every token), updated caches, the
-    staged metadata); all but the caches replicated.
+    sharded over it; the model runs in one shard_map (params, host_buf replicated) and the
+    sampling after it on the replicated logits.
+    penalties: ``sampling.PenaltyState`` with max_num_seqs + 1 slots.
+    Returns (the step output int32 [R, 2 + 2K] (``sampling.sample_step``; token -1 on padded
+    rows), logits f32 [R, V] of each row's last token (with all_token_logits (static):
+    [T, V] of every token), updated caches, updated penalties, the staged metadata).
     """
-    body = functools.partial(_step_body, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
+    body = functools.partial(_model_body, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
                              attention_impl=attention_impl, interpret=interpret,
                              attention_mode=attention_mode, all_token_logits=all_token_logits)
-    return per_rank_step(body, rconfig, mesh)(params, caches, host_buf)
+    row_logits, logits, caches, md = per_rank_step(body, rconfig, mesh)(params, caches, host_buf)
+    o = packed_size(bucket) + bucket.num_tokens
+    rows = unpack_rows(host_buf[o:], bucket.num_reqs)
+    out, penalties = sample_step(row_logits, rows, md, host_buf[o - bucket.num_tokens:o],
+                                 penalties)
+    return out, logits, caches, penalties, md
 
 
 _serve_step_jit = jax.jit(serve_step, static_argnames=("bucket", "rconfig", "mconfig",
                                                        "attention_impl", "interpret", "mesh",
                                                        "attention_mode", "all_token_logits"),
-                          donate_argnames=("caches",))
+                          donate_argnames=("caches", "penalties"))
 
 
 # ---- the runner ------------------------------------------------------------------------------
@@ -157,8 +150,11 @@ class ModelRunner:
     num_pages: KV pages of the cache (per rank under DCP). With rconfig.dcp_world_size W > 1
     the runner serves over the first W devices (``mesh``); raises DCPError when fewer exist.
     interpret: Pallas interpret mode; default True exactly for attention_impl "pallas" off
-    the GPU. ``last_logits`` holds the latest step's logits f32 [R_bucket, V] (on device);
-    with all_token_logits, [T_bucket, V]: one row per token of the step.
+    the GPU. ``last_logits`` holds the latest step's logits f32 [R_bucket, V] (on device;
+    with all_token_logits, [T_bucket, V]: one row per token of the step);
+    ``penalties`` the per-slot penalty state (max_num_seqs + 1 slots, on device);
+    ``last_launch`` / ``last_ready`` the perf_counter times just before the latest step's
+    executable was called and when its output had reached the host.
     """
 
     def __init__(self, mconfig: ModelConfig, rconfig: RunnerConfig, *, num_pages: int,
@@ -176,8 +172,11 @@ class ModelRunner:
         self.params = replicate(params if params is not None else init_params(mconfig, seed),
                                 self.mesh)
         self.caches = init_caches(mconfig, num_pages, self.mesh)
+        self.penalties = replicate(init_penalty_state(rconfig.max_num_seqs, mconfig.vocab_size),
+                                   self.mesh)
         self.num_pages = num_pages
         self.last_logits: jax.Array | None = None
+        self.last_launch = self.last_ready = 0.0
         self._compiled: dict[Bucket, Callable] = {}
         self.validated_steps = 0
 
@@ -188,19 +187,19 @@ class ModelRunner:
                                 profile_seq_len=profile_seq_len)
         packed = pack_host_batch(host.num_scheduled, host.num_computed, host.block_table, bucket,
                                  self.rconfig)
-        n = host.num_scheduled.size
         return pack_step_inputs(packed, np.zeros(int(host.num_scheduled.sum()), np.int32),
-                                np.zeros(n, np.int32), np.zeros(n, np.int32),
-                                np.zeros(n, np.float32), bucket)
+                                SamplingRows.neutral(host.num_scheduled.size), bucket)
 
     def _put(self, buf: np.ndarray) -> jax.Array:
         """The host buffer on the device (replicated over the mesh under DCP)."""
         return replicate(buf, self.mesh)
 
     def _run(self, bucket: Bucket, buf: np.ndarray):
-        nxt, self.last_logits, self.caches, md = self._compiled[bucket](
-            self.params, self.caches, self._put(buf))
-        return nxt, md
+        dev_buf = self._put(buf)
+        self.last_launch = time.perf_counter()
+        out, self.last_logits, self.caches, self.penalties, md = self._compiled[bucket](
+            self.params, self.caches, self.penalties, dev_buf)
+        return out, md
 
     def warm_up(self) -> WarmupReport:
         """Compile every bucket on its dummy batch and run it; then the profiling pass."""
@@ -208,7 +207,8 @@ class ModelRunner:
         with CompileCounter() as cc:
             for bucket in self.buckets:
                 buf = self._dummy_buffer(bucket, "default", None)
-                lowered = _serve_step_jit.lower(self.params, self.caches, self._put(buf),
+                lowered = _serve_step_jit.lower(self.params, self.caches, self.penalties,
+                                                self._put(buf),
                                                 bucket=bucket, rconfig=self.rconfig,
                                                 mconfig=self.mconfig,
                                                 attention_impl=self.attention_impl,
@@ -239,18 +239,34 @@ class ModelRunner:
     # ---- serving -------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> np.ndarray:
         """Run one scheduled batch; returns the sampled token of every row (int32 [n])."""
+        return self.execute_step(batch).tokens
+
+    def execute_step(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one scheduled batch; returns every row's token and logprobs (n rows).
+
+        Raises ValueError when a row's slot is outside [0, max_num_seqs) or a token id
+        outside [0, vocab_size).
+        """
         if not self._compiled:
             raise RuntimeError("ModelRunner.execute before warm_up(): buckets are not compiled")
+        S, V = self.rconfig.max_num_seqs, self.mconfig.vocab_size
+        slots = np.asarray(batch.sampling.slot)
+        for i in np.flatnonzero((slots < 0) | (slots >= S))[:1]:
+            raise ValueError(f"sampling.slot[{i}] = {slots[i]}: must be in [0, max_num_seqs={S})")
+        tokens = np.asarray(batch.token_ids)
+        for i in np.flatnonzero((tokens < 0) | (tokens >= V))[:1]:
+            raise ValueError(f"token_ids[{i}] = {tokens[i]}: must be in [0, vocab_size={V})")
         bucket = select_bucket(batch.num_tokens, batch.num_reqs, self.rconfig)
         packed = pack_host_batch(batch.num_scheduled, batch.num_computed, batch.block_table, bucket,
                                  self.rconfig)
-        buf = pack_step_inputs(packed, batch.token_ids, batch.seeds, batch.sample_index,
-                               batch.temperature, bucket)
-        nxt, md = self._run(bucket, buf)
+        buf = pack_step_inputs(packed, tokens, batch.sampling, bucket)
+        out, md = self._run(bucket, buf)
+        result = unpack_step_output(np.asarray(out), batch.num_reqs)
+        self.last_ready = time.perf_counter()
         if self.debug:
             validate_metadata(md, self.rconfig)
             self.validated_steps += 1
-        return np.asarray(nxt)[:batch.num_reqs]
+        return result
 
 
 @dataclasses.dataclass

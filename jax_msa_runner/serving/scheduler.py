@@ -17,6 +17,11 @@ Decode context parallelism (``dcp_world_size = W > 1``): every rank holds its ow
 (global block g lives on rank g % W as local block g // W); its page list is rank-local and
 the same on every rank (one allocator models the W identical per-rank pools), which is the
 block-table row staging expects under DCP.
+
+Every running request holds a slot in [0, max_num_seqs): its row of the runner's
+on-device penalty state (``sampling.PenaltyState``), taken at admission and given back on
+preemption, finish and abort. ``abort`` removes a request wherever it is and frees its pages
+and slot; finished requests stay in ``finished`` until ``pop_finished``.
 """
 from __future__ import annotations
 
@@ -27,18 +32,58 @@ from typing import Sequence
 
 import numpy as np
 
-from jax_msa_runner.config import SchedulerConfig
+from jax_msa_runner.config import RESERVED_PAGES, SchedulerConfig
 from jax_msa_runner.serving.kv_cache import BlockAllocator, pages_needed
+from jax_msa_runner.serving.sampling import SamplingParamError, SamplingRows, check_sampling
 
 
 class RequestRejectedError(ValueError):
-    """A request that can never be served; the message says which limit it breaks."""
+    """A request that can never be served; the message says which limit it breaks and
+    ``field`` names the Request field at fault ("prompt", "max_new_tokens", a sampling
+    parameter, "request_id")."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+def check_request_fits(config: SchedulerConfig, num_prompt_tokens: int,
+                       max_new_tokens: int) -> None:
+    """Raises RequestRejectedError (field "prompt" or "max_new_tokens") unless a request of
+    this size can ever be served: a non-empty prompt, max_new_tokens >= 1, prompt +
+    max_new_tokens <= max_model_len, and its pages within the cache."""
+    c = config
+    if num_prompt_tokens < 1:
+        raise RequestRejectedError("empty prompt", "prompt")
+    if max_new_tokens < 1:
+        raise RequestRejectedError(f"max_new_tokens must be >= 1, got {max_new_tokens}",
+                                   "max_new_tokens")
+    if num_prompt_tokens >= c.max_model_len:
+        raise RequestRejectedError(
+            f"prompt of {num_prompt_tokens} tokens leaves no room for an output token: "
+            f"prompt + max_new_tokens must be <= max_model_len={c.max_model_len}", "prompt")
+    total = num_prompt_tokens + max_new_tokens
+    if total > c.max_model_len:
+        raise RequestRejectedError(
+            f"prompt {num_prompt_tokens} + max_new_tokens {max_new_tokens} = {total} tokens "
+            f"exceeds max_model_len={c.max_model_len}", "max_new_tokens")
+    # the last sampled token is never written to the cache
+    need = pages_needed(total - 1, c.dcp_world_size)
+    usable = c.num_pages - len(RESERVED_PAGES)
+    if need > usable:
+        field = "prompt" if pages_needed(num_prompt_tokens, c.dcp_world_size) > usable \
+            else "max_new_tokens"
+        raise RequestRejectedError(
+            f"needs {need} KV pages per rank (dcp_world_size={c.dcp_world_size}) but the cache "
+            f"has only {usable} usable pages "
+            f"(num_pages={c.num_pages}); it can never fit", field)
 
 
 @dataclasses.dataclass
@@ -51,10 +96,19 @@ class Request:
     temperature: float = 0.0
     seed: int = 0
     eos_token_id: int | None = None
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: frozenset[int] = frozenset()
     output: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1
     status: Status = Status.WAITING
+    finish_reason: str | None = None  # "length" or "stop" (a stop / eos token) once finished
     num_preemptions: int = 0
 
     @property
@@ -74,8 +128,9 @@ class ScheduledBatch:
     requests: the n Request objects; num_scheduled / num_computed: int32 [n];
     block_table: n lists of page ids; token_ids: int32 [S] (row-major);
     sample: bool [n] (the row reaches the end of its known tokens: its sample is kept);
-    sample_index: int32 [n] (= len(output), folded into the sampling key);
-    temperature: float32 [n]; seeds: int32 [n]; preempted: ids preempted while scheduling.
+    sampling: the rows' sampling inputs (``sample_index`` = len(output), folded into the
+    sampling key; ``slot``; ``prompt_len``; the request's parameters);
+    preempted: ids preempted while scheduling.
     """
 
     requests: tuple[Request, ...]
@@ -84,14 +139,16 @@ class ScheduledBatch:
     block_table: tuple[tuple[int, ...], ...]
     token_ids: np.ndarray
     sample: np.ndarray
-    sample_index: np.ndarray
-    temperature: np.ndarray
-    seeds: np.ndarray
+    sampling: SamplingRows
     preempted: tuple[int, ...]
 
     @property
     def num_reqs(self) -> int:
         return len(self.requests)
+
+    @property
+    def sample_index(self) -> np.ndarray:
+        return self.sampling.sample_index
 
     @property
     def num_tokens(self) -> int:
@@ -107,46 +164,79 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
-        self._ids: set[int] = set()
+        self._ids: set[int] = set()  # requests known here: waiting, running or in finished
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))  # pop() = lowest
         self.num_preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request; raises RequestRejectedError if it can never be served."""
-        c = self.config
-        if request.request_id in self._ids:
-            raise RequestRejectedError(f"request {request.request_id}: duplicate request id")
-        if len(request.prompt) < 1:
-            raise RequestRejectedError(f"request {request.request_id}: empty prompt")
-        if request.max_new_tokens < 1:
-            raise RequestRejectedError(f"request {request.request_id}: max_new_tokens must be "
-                                       f">= 1, got {request.max_new_tokens}")
-        total = len(request.prompt) + request.max_new_tokens
-        if total > c.max_model_len:
-            raise RequestRejectedError(
-                f"request {request.request_id}: prompt {len(request.prompt)} + max_new_tokens "
-                f"{request.max_new_tokens} = {total} tokens exceeds max_model_len={c.max_model_len}")
-        # the last sampled token is never written to the cache
-        need = pages_needed(total - 1, c.dcp_world_size)
-        if need > self.allocator.num_usable:
-            per_rank = f" per rank (dcp_world_size={c.dcp_world_size})" if c.dcp_world_size > 1 else ""
-            raise RequestRejectedError(
-                f"request {request.request_id}: needs {need} KV pages{per_rank} but the cache has "
-                f"only {self.allocator.num_usable} usable pages (num_pages={c.num_pages}); it can "
-                f"never fit")
+        rid = request.request_id
+        if rid in self._ids:
+            raise RequestRejectedError(f"request {rid}: duplicate request id", "request_id")
+        try:
+            check_request_fits(self.config, len(request.prompt), request.max_new_tokens)
+            check_sampling(temperature=request.temperature, top_k=request.top_k,
+                           top_p=request.top_p, min_p=request.min_p,
+                           presence_penalty=request.presence_penalty,
+                           frequency_penalty=request.frequency_penalty,
+                           repetition_penalty=request.repetition_penalty, seed=request.seed)
+        except RequestRejectedError as e:
+            raise RequestRejectedError(f"request {rid}: {e}", e.field) from None
+        except SamplingParamError as e:
+            raise RequestRejectedError(f"request {rid}: {e}", e.field) from None
         request.prompt = tuple(int(t) for t in request.prompt)
+        request.stop_token_ids = frozenset(int(t) for t in request.stop_token_ids)
         request.status = Status.WAITING
-        self._ids.add(request.request_id)
+        self._ids.add(rid)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ---- scheduling ------------------------------------------------------------------------
-    def _preempt(self, req: Request) -> None:
+    @property
+    def num_pages_in_use(self) -> int:
+        return self.allocator.num_usable - self.allocator.num_free
+
+    # ---- leaving ---------------------------------------------------------------------------
+    def _release(self, req: Request) -> None:
+        """Frees a running request's pages and slot."""
         self.running.remove(req)
         self.allocator.free(req.pages)
         req.pages = []
+        self._free_slots.append(req.slot)
+        self._free_slots.sort(reverse=True)
+        req.slot = -1
+
+    def abort(self, request_id: int) -> Request | None:
+        """Removes a request wherever it is (waiting, running or finished), freeing its pages
+        and slot; returns it (status ABORTED unless it had finished), or None if unknown."""
+        for req in self.running:
+            if req.request_id == request_id:
+                self._release(req)
+                break
+        else:
+            req = next((r for r in self.waiting if r.request_id == request_id), None)
+            if req is not None:
+                self.waiting.remove(req)
+            else:
+                req = self.finished.pop(request_id, None)
+        if req is None:
+            return None
+        self._ids.discard(request_id)
+        if req.status is not Status.FINISHED:
+            req.status = Status.ABORTED
+        return req
+
+    def pop_finished(self, request_id: int) -> Request:
+        """Takes a finished request out of ``finished`` (its id may then be reused)."""
+        req = self.finished.pop(request_id)
+        self._ids.discard(request_id)
+        return req
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
         req.num_computed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -189,6 +279,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 req.status = Status.RUNNING
+                req.slot = self._free_slots.pop()
                 self.running.append(req)
                 rows.append((req, n))
                 budget -= n
@@ -203,9 +294,7 @@ class Scheduler:
             requests=reqs, num_scheduled=sched, num_computed=comp,
             block_table=tuple(tuple(r.pages) for r in reqs), token_ids=tokens,
             sample=np.array([r.num_computed + n == r.num_tokens for r, n in rows]),
-            sample_index=np.array([len(r.output) for r in reqs], np.int32),
-            temperature=np.array([r.temperature for r in reqs], np.float32),
-            seeds=np.array([r.seed for r in reqs], np.int32), preempted=tuple(preempted))
+            sampling=_sampling_rows(reqs), preempted=tuple(preempted))
 
     def update(self, batch: ScheduledBatch, sampled: Sequence[int]) -> list[Request]:
         """Apply one step's results (sampled [n] tokens); returns requests finished now."""
@@ -216,12 +305,26 @@ class Scheduler:
                 continue
             tok = int(sampled[row])
             req.output.append(tok)
-            if (len(req.output) >= req.max_new_tokens
-                    or (req.eos_token_id is not None and tok == req.eos_token_id)):
-                self.running.remove(req)
-                self.allocator.free(req.pages)
-                req.pages = []
+            stop = tok == req.eos_token_id or tok in req.stop_token_ids
+            if stop or len(req.output) >= req.max_new_tokens:
+                self._release(req)
                 req.status = Status.FINISHED
+                req.finish_reason = "stop" if stop else "length"
                 self.finished[req.request_id] = req
                 done.append(req)
         return done
+
+
+def _sampling_rows(reqs: Sequence[Request]) -> SamplingRows:
+    def col(f, dtype):
+        return np.array([f(r) for r in reqs], dtype)
+
+    return SamplingRows(
+        seed=col(lambda r: r.seed, np.int32), sample_index=col(lambda r: len(r.output), np.int32),
+        top_k=col(lambda r: r.top_k, np.int32), slot=col(lambda r: r.slot, np.int32),
+        prompt_len=col(lambda r: len(r.prompt), np.int32),
+        temperature=col(lambda r: r.temperature, np.float32),
+        top_p=col(lambda r: r.top_p, np.float32), min_p=col(lambda r: r.min_p, np.float32),
+        presence_penalty=col(lambda r: r.presence_penalty, np.float32),
+        frequency_penalty=col(lambda r: r.frequency_penalty, np.float32),
+        repetition_penalty=col(lambda r: r.repetition_penalty, np.float32))

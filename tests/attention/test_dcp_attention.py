@@ -88,8 +88,14 @@ def _assert_same(single, dist, md, dtype):
     chex.assert_trees_all_close(np.asarray(o2, np.float32)[mask],
                                 np.asarray(o1, np.float32)[mask], **tol)
     chex.assert_trees_all_close(np.asarray(l2)[mask], np.asarray(l1)[mask], **LSE_TOL)
-    # padded tokens: no key anywhere -> zeros and -inf, as on one device
-    chex.assert_trees_all_equal(np.asarray(o2, np.float32)[~mask], 0.0 * np.asarray(o2)[~mask])
+    # padded tokens: no key anywhere -> exact zeros (finite: NaN is not zero) and -inf, as on
+    # one device
+    assert (~mask).any(), "the batch must have padded tokens for this check to mean anything"
+    for o in (o1, o2):
+        pad = np.asarray(o, np.float32)[~mask]
+        chex.assert_tree_all_finite(pad)
+        chex.assert_trees_all_equal(pad, np.zeros_like(pad))
+    assert np.all(np.isneginf(np.asarray(l1)[~mask]))
     assert np.all(np.isneginf(np.asarray(l2)[~mask]))
 
 

@@ -1,4 +1,9 @@
-"""msa_attention on staged metadata: kernels == references, == dense below 2048, the seed bug."""
+"""msa_attention on staged metadata: kernels == references, == dense below 2048, the seed bug.
+
+The poison page is a finite sentinel whose read shows: K = 0 and V = 1000 in the KV cache
+(the real values are standard normal), and index-K rows of +-100 (a block on it would score
+100 * |sum(index_q)| and be selected).
+"""
 import chex
 import jax
 import jax.numpy as jnp
@@ -23,8 +28,9 @@ def _caches(seed, num_pages, dtype=jnp.float32, poison_page=None):
     kv = jax.random.normal(k1, (num_pages, HKV, PAGE_SIZE, 2 * D), dtype)
     ik = jax.random.normal(k2, (num_pages, PAGE_SIZE, DI), dtype)
     if poison_page is not None:
-        kv = kv.at[poison_page].set(jnp.nan)
-        ik = ik.at[poison_page].set(jnp.nan)
+        kv = kv.at[poison_page, :, :, :D].set(0.0).at[poison_page, :, :, D:].set(1000.0)
+        sign = jnp.where(jnp.arange(PAGE_SIZE) % 2 == 0, 100.0, -100.0)
+        ik = ik.at[poison_page].set(jnp.broadcast_to(sign[:, None], (PAGE_SIZE, DI)).astype(dtype))
     return kv, ik
 
 
@@ -102,7 +108,8 @@ def test_stale_positions_are_rejected_and_harmless():
     the kernels, given it anyway, read 1 page (the selector's [0, -1 x 15]) and nothing else."""
     md, num_pages = _batch(6, [4], [4092])
     assert md.max_pages == 32
-    # Poison the page of the last block-table entry, where a wrapped -1 would land.
+    # Poison the page of the last block-table entry, where a wrapped -1 would land: its K = 0
+    # would score like a real key and its V = 1000 would dominate the output.
     kv, ik = _caches(7, num_pages, poison_page=int(np.asarray(md.block_table)[0, -1]))
     stale = md.replace(positions=jnp.zeros_like(md.positions),
                        num_valid_pages=jnp.where(md.token_mask, 1, 0))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from jax_msa_runner.batch.buckets import make_buckets, select_bucket
-from jax_msa_runner.config import RunnerConfig
+from jax_msa_runner.config import NULL_PAGE_ID, RunnerConfig
 from jax_msa_runner.batch.dcp import dcp_owner, rank_slot_mapping
 from jax_msa_runner.batch.staging import (DUMMY_KINDS, DUMMY_PAGE_ID, StagingError, dummy_host_batch,
                                     _pack_arrays, dummy_query_lens, pack_host_batch,
@@ -133,25 +133,40 @@ def test_ragged_uniform_decode_tail(L):
 
 
 def test_negative_control_lower_bound_removed():
-    """Without max(target, num_scheduled), L=1 gives computed -3; the validator rejects it."""
-    L, q = 1, 4
-    seq = min(L, CFG_ONE.max_model_len)  # the pre-fix normalisation, no lower bound
-    comp = seq - q
-    assert comp == -3
-    bucket = select_bucket(q, 1, CFG_ONE)
+    """Without max(target, num_scheduled), L=1 under 4 scheduled tokens gives computed -3: the
+    host packer refuses it, and staged anyway (no host checks) its metadata puts 3 tokens at
+    negative positions whose slots fall in the null page; the validator rejects it. The
+    fixed normalisation stages seq_len 4, computed 0."""
+    L = 1
+    q = dummy_query_lens(4, CFG_ONE, "default")
+    np.testing.assert_array_equal(q, [4])  # max_num_seqs = 1: one row of all 4 tokens
+    comp = np.minimum(L, CFG_ONE.max_model_len) - q  # the pre-fix normalisation: no max(., q)
+    bucket = select_bucket(4, 1, CFG_ONE)
     table = np.zeros((1, bucket.max_pages), np.int64)
     table[0, 0] = DUMMY_PAGE_ID
     with pytest.raises(StagingError, match=r"num_computed_tokens\[0\] = -3"):
-        pack_host_batch([q], [comp], table, bucket, CFG_ONE)
-    md = stage_packed_jit(_pack_arrays(np.array([q]), np.array([comp]), table, bucket),
-                          bucket=bucket, config=CFG_ONE)
-    assert int(md.num_computed_tokens[0]) == -3
+        pack_host_batch(q, comp, table, bucket, CFG_ONE)
+    md = host(stage_packed_jit(_pack_arrays(q, comp, table, bucket), bucket=bucket, config=CFG_ONE))
+    # the staged metadata against the expectations of a sequence of length L = 1 whose 4
+    # query tokens end at position L - 1 = 0: positions -3..0, slots DUMMY_PAGE_ID * 128 + p,
+    # i.e. the first three in page DUMMY_PAGE_ID - 1 = the null page
+    np.testing.assert_array_equal(md.seq_lens[:1], [1])
+    np.testing.assert_array_equal(md.num_computed_tokens[:1], [-3])
+    np.testing.assert_array_equal(md.positions[:4], [-3, -2, -1, 0])
+    np.testing.assert_array_equal(md.slot_mapping[:4], [125, 126, 127, 128])
+    assert (md.slot_mapping[:3] // 128 == NULL_PAGE_ID).all()
     with pytest.raises(MetadataInvariantError, match=r"num_computed_tokens\[0\] = -3: must be >= 0"):
         validate_metadata(md, CFG_ONE)
     err = validate_jit(md, CFG_ONE)
     assert "num_computed_tokens[0] = -3" in err.get()
-    # The fixed normalisation never goes negative.
-    assert dummy_host_batch(4, CFG_ONE, profile_seq_len=1).num_computed.min() == 0
+    # The fixed normalisation: seq_len = max(L, 4) = 4, computed 0, positions 0..3 in the
+    # dummy page, valid.
+    fixed = host(stage_dummy_batch(4, CFG_ONE, profile_seq_len=L))
+    np.testing.assert_array_equal(fixed.seq_lens[:1], [4])
+    np.testing.assert_array_equal(fixed.num_computed_tokens[:1], [0])
+    np.testing.assert_array_equal(fixed.positions[:4], [0, 1, 2, 3])
+    np.testing.assert_array_equal(fixed.slot_mapping[:4], [128, 129, 130, 131])
+    validate_metadata(fixed, CFG_ONE)
 
 
 def test_negative_control_stale_positions():
@@ -255,27 +270,3 @@ def test_every_dummy_kind_over_every_bucket_property(cfg_i, data, kind, L, ctx):
     np.testing.assert_array_equal(md.positions[ends], md.seq_lens[:n] - 1)
     if L is None and (ctx_len + q <= cfg.max_model_len).all():
         np.testing.assert_array_equal(md.num_computed_tokens[:n], ctx_len)
-
-
-def test_cli_buckets_stages_and_validates_every_bucket_and_kind(capsys):
-    from jax_msa_runner.cli import main
-
-    assert main(["buckets", "--repeats", "1", "--profile-seq-len", "4096"]) == 0
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.rstrip().endswith(" ok")]
-    assert len(rows) == len(make_buckets(RunnerConfig())) * len(DUMMY_KINDS)
-    assert "all buckets valid" in out
-
-
-def test_cli_compare_forwards_its_arguments(monkeypatch):
-    import sys
-    import types
-
-    from jax_msa_runner.cli import main
-
-    seen = []
-    fake = types.ModuleType("tools.vllm_compare.compare")
-    fake.main = lambda argv: seen.append(list(argv)) or 7
-    monkeypatch.setitem(sys.modules, "tools.vllm_compare.compare", fake)
-    assert main(["compare", "--case", "decode", "-v"]) == 7
-    assert seen == [["--case", "decode", "-v"]]

@@ -3,8 +3,13 @@
 vLLM's Triton kernels run under Triton's interpreter in the comparison venv (`make
 compare-env`, a prerequisite of `make test`); ours are the Pallas kernels in interpret mode.
 Selections must agree as sets per (token, KV head) outside exact score ties, outputs to a
-relative L2 error <= 1e-2; a perturbed index-K page on one side must be detected.
+relative L2 error <= 1e-2; a perturbed index-K page on one side must be detected. The fp8
+cases run vLLM's fp8 indexer (e4m3 index queries x e4m3 index-K cache) against our
+float8_e4m3fn index-K cache. Bad CLI flag values exit with status 2 and one error line.
 """
+import subprocess
+
+import ml_dtypes
 import numpy as np
 import numpy.testing as npt
 import pytest
@@ -34,11 +39,33 @@ def test_cases_cover_the_issue_list():
     assert {c.query_lens[0] for c in cases if c.mode == "decode"} == {1, 2, 3, 4}
     assert any(c.mode == "prefill" and min(np.subtract(c.seq_lens, c.query_lens)) > 0 for c in cases)
     assert any(c.zero_index_q_reqs for c in cases)
-    for c in cases:  # bf16 inputs, deterministic from the seed
+    fp8 = [c for c in cases if c.index_dtype == "fp8_e4m3"]
+    assert {c.mode for c in fp8} == {"decode", "prefill"} and {c.num_kv_heads for c in fp8} == {1, 4}
+    assert any(max(c.seq_lens) > 2048 for c in fp8)
+    for c in cases:  # bf16 (or e4m3 index) inputs, deterministic from the seed
         a, b = compare.make_inputs(c), compare.make_inputs(c)
         assert a["q"].dtype == np.uint16 and a["kv"].dtype == np.uint16
+        index_bits = np.uint8 if c.index_dtype == "fp8_e4m3" else np.uint16
+        assert a["index_q"].dtype == index_bits and a["index_k"].dtype == index_bits
+        assert str(a["index_dtype"]) == c.index_dtype
         for k in a:
             npt.assert_array_equal(a[k], b[k])
+
+
+def test_index_bits_decode_exactly():
+    """e4m3 and bf16 bit patterns decode to float64 exactly (all 256 e4m3 patterns, a spread
+    of finite bf16 ones)."""
+    bits8 = np.arange(256, dtype=np.uint8)
+    want8 = bits8.view(ml_dtypes.float8_e4m3fn).astype(np.float32).astype(np.float64)
+    npt.assert_array_equal(compare.index_to_f64(bits8), want8)
+    assert compare.index_to_f64(np.array([0x38, 0xC0, 0x7E], np.uint8)).tolist() == [1.0, -2.0, 448.0]
+    bits16 = np.arange(0, 65536, 97, dtype=np.uint16)
+    bits16 = bits16[(bits16 & 0x7F80) != 0x7F80]  # finite bf16 values (NaN casts warn)
+    want16 = bits16.view(ml_dtypes.bfloat16).astype(np.float32).astype(np.float64)
+    npt.assert_array_equal(compare.index_to_f64(bits16), want16)
+    # the e4m3 values our side feeds as bf16 queries are exact in bf16
+    finite = want8[np.isfinite(want8)]
+    npt.assert_array_equal(finite.astype(ml_dtypes.bfloat16).astype(np.float64), finite)
 
 
 @pytest.mark.parametrize("name", [c.name for c in compare.CASES])
@@ -54,6 +81,7 @@ def test_case_agrees_with_vllm(rows, name):
     assert r["out_rel_err_vllm_sel"] <= TOL, r
     assert r["ours_vs_oracle"] <= TOL and r["vllm_vs_oracle"] <= TOL, r
     assert r["passed"]
+    assert r["index_dtype"] == next(c.index_dtype for c in compare.CASES if c.name == name)
 
 
 def test_exact_ties_are_counted_not_hidden(rows):
@@ -98,3 +126,48 @@ def test_selection_accounting_on_synthetic_rows():
     short = np.array([[[0, 1, 2] + [-1] * 13]], np.int32)  # 3 pages visible: identity
     stats = compare.compare_selections(short, short, scores, np.array([2 * 128 + 5], np.int32))
     assert (stats["rows_le16"], stats["agree"], stats["invalid"]) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("argv,flag,bound", [
+    (["--tol", "-1"], "--tol", "> 0"), (["--tol", "0"], "--tol", "> 0"),
+    (["--tol", "nan"], "--tol", "> 0"), (["--tol", "inf"], "--tol", "> 0"),
+    (["--tol", "x"], "--tol", "> 0"),
+    (["--vllm-workers", "-1"], "--vllm-workers", ">= 1"),
+    (["--vllm-workers", "0"], "--vllm-workers", ">= 1"),
+    (["--time-iters", "-1"], "--time-iters", ">= 0"),
+    (["--time-iters", "2.5"], "--time-iters", ">= 0"),
+])
+def test_bad_numeric_flags_exit_2_with_one_line(capsys, argv, flag, bound):
+    with pytest.raises(SystemExit) as exc:
+        compare.main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert f"argument {flag}:" in lines[0] and bound in lines[0], lines[0]
+    assert captured.out == ""
+
+
+def test_numeric_flag_parsers_accept_their_bounds():
+    assert compare.int_at_least(0)("0") == 0 and compare.int_at_least(1)("3") == 3
+    assert compare.positive_float("1e-9") == 1e-9
+
+
+@pytest.mark.parametrize("kw,match", [(dict(tol=-1.0), "tol must be a finite number > 0"),
+                                      (dict(tol=float("nan")), "tol must be"),
+                                      (dict(time_iters=-1), "time_iters must be an integer >= 0"),
+                                      (dict(vllm_workers=0), "vllm_workers must be an integer >= 1")])
+def test_run_comparison_rejects_bad_numbers(kw, match):
+    with pytest.raises(ValueError, match=match):
+        compare.run_comparison([compare.CASES[0]], **kw)
+
+
+def test_vllm_side_rejects_negative_time_iters():
+    """The vLLM-side script (run in the comparison venv) validates its numeric flag too."""
+    if not compare.DEFAULT_VLLM_PYTHON.exists():
+        pytest.fail("no .venv-vllm: run `make compare-env`")
+    r = subprocess.run([str(compare.DEFAULT_VLLM_PYTHON), str(compare.VLLM_SIDE), "--ops-dir", "x",
+                        "--cases", "y", "--time-iters", "-1"], capture_output=True, text=True)
+    assert r.returncode == 2
+    [line] = r.stderr.strip().splitlines()
+    assert "argument --time-iters:" in line and ">= 0" in line

@@ -16,6 +16,12 @@ from pallas_kernels.sparse_prefill import default_num_stages, sparse_prefill
 D = 128
 
 
+def lower(fn, *args, **kwargs):
+    """`lower_for_cuda` of the compiled kernel: ``interpret=False`` (the default, None,
+    would interpret on this CPU backend)."""
+    return lower_for_cuda(fn, *args, interpret=False, **kwargs)
+
+
 def _specs(t, hq, hkv, *, pages=4096, rows=128, cols=512):
     s = jax.ShapeDtypeStruct
     return (s((t, hq, D), jnp.bfloat16), s((pages, hkv, PAGE_SIZE, 2 * D), jnp.bfloat16),
@@ -31,7 +37,7 @@ def _specs(t, hq, hkv, *, pages=4096, rows=128, cols=512):
     (64, 4, 128, (1, 4, 2)),                            # 4 waves: 2 stages
 ])
 def test_sparse_decode_lowers_for_h200_with_defaults(hq, hkv, batch, want):
-    text = lower_for_cuda(sparse_decode, *_specs(batch, hq, hkv), scale=D ** -0.5)
+    text = lower(sparse_decode, *_specs(batch, hq, hkv), scale=D ** -0.5)
     calls = triton_calls(text)
     assert [c["name"] for c in calls] == ["msa_sparse_decode"]
     cfg = default_decode_config(batch * hkv, jnp.bfloat16, D)
@@ -51,7 +57,7 @@ def test_sparse_decode_lowers_for_h200_with_defaults(hq, hkv, batch, want):
     (64, 4, 128, dict(keys_per_step=64, num_splits=2, num_stages=4, v_mask="load")),
 ])
 def test_sparse_decode_tunables_lower_at_benchmark_shapes(hq, hkv, batch, kw):
-    text = lower_for_cuda(sparse_decode, *_specs(batch, hq, hkv), scale=D ** -0.5, **kw)
+    text = lower(sparse_decode, *_specs(batch, hq, hkv), scale=D ** -0.5, **kw)
     [call] = triton_calls(text)
     assert (call["grid_x"], call["grid_y"], call["grid_z"]) == (batch, hkv, kw["num_splits"])
     assert (call["num_warps"], call["num_stages"]) == (kw.get("num_warps", 4), kw["num_stages"])
@@ -68,11 +74,11 @@ def test_default_stages_fit_shared_memory():
             assert pipeline_smem_bytes(cfg["num_stages"], stage) <= SMEM_BYTES
     assert default_decode_config(128, jnp.float32, D)["num_stages"] == 2  # 1 x 128 KiB buffer
     # the default depth is re-capped for an explicit step size; too deep a pipeline raises
-    [call] = triton_calls(lower_for_cuda(sparse_decode, *_specs(128, 16, 1), scale=1.0,
+    [call] = triton_calls(lower(sparse_decode, *_specs(128, 16, 1), scale=1.0,
                                          keys_per_step=64))
     assert call["num_stages"] == 3
     with pytest.raises(ValueError, match="shared memory"):
-        lower_for_cuda(sparse_decode, *_specs(128, 16, 1), scale=1.0, num_stages=5)
+        lower(sparse_decode, *_specs(128, 16, 1), scale=1.0, num_stages=5)
     assert max_stages(step_bytes(jnp.bfloat16, D, PAGE_SIZE)) == 4  # 3 x 64 KiB buffers
     assert max_stages(step_bytes(jnp.bfloat16, D, 64)) == 7
 
@@ -80,7 +86,7 @@ def test_default_stages_fit_shared_memory():
 @pytest.mark.parametrize("keys_per_step", [128, 64])
 def test_sparse_decode_tunables_reach_triton(keys_per_step):
     # a 17 GB cache (64K pages, B=128 at 64K context) takes the 64-bit address path
-    text = lower_for_cuda(sparse_decode, *_specs(16, 64, 4, pages=65536, cols=65536 // PAGE_SIZE),
+    text = lower(sparse_decode, *_specs(16, 64, 4, pages=65536, cols=65536 // PAGE_SIZE),
                           scale=D ** -0.5, num_splits=16, num_warps=8, num_stages=3,
                           keys_per_step=keys_per_step)
     [call] = triton_calls(text)
@@ -89,7 +95,7 @@ def test_sparse_decode_tunables_reach_triton(keys_per_step):
 
 @pytest.mark.parametrize("hq,hkv,tokens_per_tile,num_warps", [(16, 1, 4, 4), (64, 4, 8, 8)])
 def test_sparse_prefill_lowers_for_h200(hq, hkv, tokens_per_tile, num_warps):
-    text = lower_for_cuda(sparse_prefill, *_specs(256, hq, hkv), scale=D ** -0.5,
+    text = lower(sparse_prefill, *_specs(256, hq, hkv), scale=D ** -0.5,
                           tokens_per_tile=tokens_per_tile, num_warps=num_warps)
     calls = triton_calls(text)
     assert [c["name"] for c in calls] == ["msa_sparse_prefill"]
@@ -103,8 +109,8 @@ def test_sparse_prefill_stages_bounded_by_shared_memory():
     assert default_num_stages(jnp.bfloat16, D, 64, 4) == 1  # default tile: unpipelined
     assert default_num_stages(jnp.bfloat16, D, 128, 8) == 2
     assert default_num_stages(jnp.float32, D, 32, 4) == 1  # one 128 KiB page buffer
-    [call] = triton_calls(lower_for_cuda(sparse_prefill, *_specs(256, 16, 1), scale=1.0,
+    [call] = triton_calls(lower(sparse_prefill, *_specs(256, 16, 1), scale=1.0,
                                          num_stages=4))
     assert call["num_stages"] == 4
     with pytest.raises(ValueError, match="sparse_prefill: num_stages 5 .*shared memory"):
-        lower_for_cuda(sparse_prefill, *_specs(256, 16, 1), scale=1.0, num_stages=5)
+        lower(sparse_prefill, *_specs(256, 16, 1), scale=1.0, num_stages=5)

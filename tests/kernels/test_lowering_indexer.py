@@ -1,5 +1,5 @@
 """The indexer and select kernels lower to Triton for an (abstract) H200 at the benchmark
-shapes of H200_BASELINE.md (bf16, and a float8_e4m3fn index-K cache): catches GPU-only
+shapes (bf16, and a float8_e4m3fn index-K cache): catches GPU-only
 lowering errors on the CPU."""
 import re
 
@@ -16,6 +16,12 @@ S = jax.ShapeDtypeStruct
 INDEX_DIM = 128
 
 
+def lower(fn, *args, **kwargs):
+    """`lower_for_cuda` of the compiled kernel: ``interpret=False`` (the default, None,
+    would interpret on this CPU backend)."""
+    return lower_for_cuda(fn, *args, interpret=False, **kwargs)
+
+
 def indexer_args(batch, num_heads, max_pages, dtype=jnp.bfloat16, k_dtype=None):
     num_pages = batch * max_pages + 1
     return (S((batch, num_heads, INDEX_DIM), dtype),
@@ -28,7 +34,7 @@ def indexer_args(batch, num_heads, max_pages, dtype=jnp.bfloat16, k_dtype=None):
 @pytest.mark.parametrize("context", [8192, 65536])
 def test_index_select_lowers_for_h200(num_heads, batch, context):
     max_pages = context // 128
-    text = lower_for_cuda(msa_index_select, *indexer_args(batch, num_heads, max_pages))
+    text = lower(msa_index_select, *indexer_args(batch, num_heads, max_pages))
     # exactly the two kernels: no pad/slice/nvp op launched between them
     assert set(re.findall(r"stablehlo\.(\w+)", text)) - {"mesh"} == {"custom_call"}
     calls = triton_calls(text)
@@ -43,7 +49,7 @@ def test_index_select_lowers_for_h200(num_heads, batch, context):
 @pytest.mark.parametrize("pages_per_program,num_warps,num_stages,preload", [
     (1, 4, 2, True), (16, 8, 4, False), (64, 4, 3, True), (8, 2, 5, False)])
 def test_index_scores_tunables_lower(pages_per_program, num_warps, num_stages, preload):
-    [call] = triton_calls(lower_for_cuda(msa_index_scores, *indexer_args(16, 4, 512),
+    [call] = triton_calls(lower(msa_index_scores, *indexer_args(16, 4, 512),
                                          pages_per_program=pages_per_program,
                                          num_warps=num_warps, num_stages=num_stages,
                                          preload_block_table=preload))
@@ -55,9 +61,9 @@ def test_f32_and_odd_shapes_lower():
     """f32 operands (IEEE dot), H=3 (padded to 4), P=40 (not a power of two), Di=32."""
     args = (S((5, 3, 32), jnp.float32), S((50, 128, 32), jnp.float32), S((2, 40), jnp.int32),
             S((5,), jnp.int32), S((5,), jnp.int32))
-    calls = triton_calls(lower_for_cuda(msa_index_select, *args, pages_per_program=16))
+    calls = triton_calls(lower(msa_index_select, *args, pages_per_program=16))
     assert sorted(c["name"] for c in calls) == ["msa_index_scores", "sparse_topk_select"]
-    calls = triton_calls(lower_for_cuda(sparse_topk_select, S((5, 3, 40), jnp.float32),
+    calls = triton_calls(lower(sparse_topk_select, S((5, 3, 40), jnp.float32),
                                         S((5,), jnp.int32), init_blocks=1, num_warps=8))
     assert calls[0]["num_warps"] == 8
 
@@ -68,7 +74,7 @@ def test_fp8_index_k_cache_lowers(q_dtype, num_heads, pages_per_program):
     """A float8_e4m3fn index-K cache reaches the kernel as fp8 (no XLA convert of the whole
     cache before it) and the in-kernel fp8 -> index_q dtype convert lowers to Triton."""
     args = indexer_args(16, num_heads, 64, q_dtype, k_dtype=jnp.float8_e4m3fn)
-    text = lower_for_cuda(msa_index_select, *args, pages_per_program=pages_per_program)
+    text = lower(msa_index_select, *args, pages_per_program=pages_per_program)
     assert not [ln for ln in text.splitlines() if "stablehlo.convert" in ln and "f8E4M3FN" in ln]
     cache_type = f"tensor<{16 * 64 + 1}x128x{INDEX_DIM}xf8E4M3FN>"
     assert cache_type in text

@@ -1,12 +1,18 @@
-"""Sparse decode (spec section 4): kernel vs reference vs an independent numpy oracle.
+"""Sparse decode: kernel vs reference vs an independent numpy oracle.
 
 One mixed batch per configuration keeps the number of compilations small: kv lengths
 1, 127, 128, 129, 2047, 2048, 2049 and longer, a spec-decode request (q_len 3), padded
 rows, -1 / out-of-range ids inside the consumed range, the stale-position bug row
 (kv_len 4096 with [0, -1 x 15]), an all -1 row and a short selection, at whole-page and
-half-page loop steps (``keys_per_step`` 128 / 64). Poison (NaN) sits in the null page 0
-(where a clamped slot would read for requests whose block 0 is unused), in the last page and
-the last block-table column (where a wrapped -1 lands), and in the tails of partial pages.
+half-page loop steps (``keys_per_step`` 128 / 64), and valid ids in slots ``>= n_use``.
+
+Poison is a finite sentinel whose read shows: K = 0 (a score of 0, typical of the real keys)
+and V = 1000 (the real values are standard normal), so a key read that should not be moves
+the output by far more than the tolerance. It fills the null page 0 (padded rows), the
+poison page that every unused block-table column points at (where a clamped slot of a
+request that never selects block 0 reads, and where a wrapped -1 lands: the last column is
+never valid), and the unwritten tails of partial pages (keys >= seq_len).
+NaN placed in a consumed key or value must reach exactly the rows that consume it.
 """
 from __future__ import annotations
 
@@ -21,10 +27,22 @@ import pytest
 
 from _helpers import INTERPRET
 from pallas_kernels import PAGE_SIZE, TOPK
-from pallas_kernels.sparse_decode import (compact_slots, sparse_decode,
+from pallas_kernels.sparse_decode import (compact_slots, finalize, merge_splits, sparse_decode,
                                           sparse_decode_reference)
+from pallas_kernels.sparse_prefill import sparse_prefill
 
 D_MODEL = 128
+SENTINEL_K, SENTINEL_V = 0.0, 1000.0  # poison: a read of it moves the output visibly
+
+
+def poison(kv, page, tail=0, value=None):
+    """Poison ``kv[page, :, tail:]`` in place: K = 0 and V = 1000, or ``value`` in both."""
+    d = kv.shape[-1] // 2
+    if value is None:
+        kv[page, :, tail:, :d] = SENTINEL_K
+        kv[page, :, tail:, d:] = SENTINEL_V
+    else:
+        kv[page, :, tail:] = value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +51,7 @@ class Req:
 
     seq_len: int
     q_len: int = 1
-    edit: str | None = None  # None | minus1 | oob | stale | all_minus1 | short | dup | dcp
+    edit: str | None = None  # None | minus1 | oob | stale | all_minus1 | short | dup | dcp | beyond
 
 
 @dataclasses.dataclass
@@ -45,6 +63,7 @@ class Batch:
     req_indices: np.ndarray
     kv_lens: np.ndarray
     kept: list  # kept[t][h]: the block ids the token really attends (the oracle's set)
+    poison_page: int = -1  # the page unused block-table columns point at
 
     def args(self):
         return tuple(jnp.asarray(a) for a in (self.q, self.kv_cache, self.selected,
@@ -57,7 +76,7 @@ def _selection(rng, kv_len, edit):
     n_use = min(TOPK, n)
     if n <= TOPK:
         sel = np.concatenate([np.arange(n), -np.ones(TOPK - n, int)])
-    else:  # forced local block n-1, 15 others, ascending (spec section 3)
+    else:  # forced local block n-1, 15 others, ascending
         # block 0 never picked here (init_blocks = 0): a clamped slot then reads the null page
         others = rng.choice(np.arange(1, n - 1), TOPK - 1, replace=False)
         sel = np.sort(np.concatenate([others, [n - 1]]))
@@ -75,6 +94,8 @@ def _selection(rng, kv_len, edit):
         sel[min(1, n_use - 1)] = sel[0]
     elif edit == "dcp":  # a DCP rank's view: few valid ids scattered among -1s, -1 first
         sel[[s for s in range(n_use) if s % 3 != 1]] = -1
+    elif edit == "beyond":  # valid ids in the slots >= n_use: never consumed
+        sel[n_use:] = 0
     kept = [int(b) for b in sel[:n_use] if 0 <= b < n]
     return sel.astype(np.int32), kept
 
@@ -84,8 +105,10 @@ def build_batch(seed, reqs, *, hq, hkv, d=D_MODEL, dtype=jnp.float32, pad_tokens
     """A batch of ``reqs`` plus ``pad_tokens`` padded tokens on ``pad_rows`` padded rows.
 
     ``per_token(r, off)`` may override the kv_len of token ``off`` of request ``r`` (prefill);
-    by default it is ``seq_len - q_len + off + 1`` (spec section 4). Pages are unique per used
-    (request, block), randomly permuted; unused blocks point at the NaN null page 0.
+    by default it is ``seq_len - q_len + off + 1``. Pages are unique per used (request,
+    block), randomly permuted; unused block-table columns of a request point at the poison
+    page ``Batch.poison_page`` (the last page), padded rows at the null page 0, both
+    poisoned (see the module docstring), as are the tails of partial last pages.
     """
     rng = np.random.default_rng(seed)
     tok_req, tok_len, sel, kept = [], [], [], []
@@ -108,23 +131,24 @@ def build_batch(seed, reqs, *, hq, hkv, d=D_MODEL, dtype=jnp.float32, pad_tokens
     used = sorted({(tok_req[i], b) for i in range(t) for h in range(hkv) for b in kept[i][h]}
                   | {(r, -(-rq.seq_len // PAGE_SIZE) - 1) for r, rq in enumerate(reqs)})
     n_pages = len(used) + 2
-    poison = n_pages - 1
-    pages = rng.permutation(np.arange(1, poison))
+    poison_page = n_pages - 1
+    pages = rng.permutation(np.arange(1, poison_page))
     block_table = np.zeros((len(reqs) + pad_rows, ncols), np.int32)
-    block_table[:len(reqs), -1] = poison
+    block_table[:len(reqs)] = poison_page
     for (r, b), pg in zip(used, pages):
         block_table[r, b] = pg
     kv = rng.standard_normal((n_pages, hkv, PAGE_SIZE, 2 * d)).astype(np.float32)
-    kv[0] = np.nan
-    kv[poison] = np.nan
+    poison(kv, 0)
+    poison(kv, poison_page)
     for r, rq in enumerate(reqs):  # unwritten tail of the last partial page
         tail = rq.seq_len % PAGE_SIZE
         if tail:
-            kv[block_table[r, -(-rq.seq_len // PAGE_SIZE) - 1], :, tail:] = np.nan
+            poison(kv, block_table[r, -(-rq.seq_len // PAGE_SIZE) - 1], tail)
     q = rng.standard_normal((t, hq, d)).astype(np.float32)
     cast = lambda x: np.array(jnp.asarray(x, dtype))  # noqa: E731
     return Batch(cast(q), cast(kv), np.stack(sel).astype(np.int32), block_table,
-                 np.asarray(tok_req, np.int32), np.asarray(tok_len, np.int32), kept)
+                 np.asarray(tok_req, np.int32), np.asarray(tok_len, np.int32), kept,
+                 poison_page)
 
 
 def oracle(batch, scale):
@@ -203,7 +227,7 @@ DECODE_REQS = (
     Req(300, q_len=3),                       # spec decode: kv_len 298, 299, 300
     Req(1000, edit="minus1"), Req(700, edit="oob"), Req(4096, edit="stale"),
     Req(3000, edit="all_minus1"), Req(5000, edit="short"), Req(250, q_len=2, edit="minus1"),
-    Req(600, edit="dup"),
+    Req(600, edit="dup"), Req(300, q_len=2, edit="beyond"),
 )
 IDENTITY_ROWS = (0, 1, 2, 3, 4, 5, 8, 9, 10)  # tokens of requests with kv_len <= 2048, unedited
 
@@ -249,7 +273,7 @@ def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_st
     """The original bug: -1 (and out-of-range ids) inside the consumed range. Each edited
     token is paired with a clean twin (same q, pages and kv_len) whose selection is just the
     kept ids followed by -1: equal outputs, finite, equal to the oracle over the kept set.
-    Long rows never select block 0, so a clamped slot would land on the NaN null page. The
+    Long rows never select block 0, so a clamped slot would land on the poison page. The
     DCP rows (valid ids scattered among -1s, -1 first) exercise the compaction of valid slots
     and its chunking over splits."""
     reqs = (Req(1500), Req(1500, edit="minus1"), Req(4096), Req(4096, edit="stale"),
@@ -266,7 +290,7 @@ def test_minus_one_inside_consumed_range_equals_selection_without_it(keys_per_st
         batch.q[clean] = batch.q[bad]
         batch.selected[clean, 0] = np.concatenate([kept, -np.ones(TOPK - len(kept))])
         batch.kept[clean] = [kept]
-    assert batch.block_table[7, 0] == 0 and 0 not in batch.kept[7][0]  # null page is NaN
+    assert batch.block_table[7, 0] == batch.poison_page and 0 not in batch.kept[7][0]
     scale = D_MODEL ** -0.5
     out, lse = sparse_decode(*batch.args(), scale=scale, interpret=INTERPRET,
                              keys_per_step=keys_per_step, num_splits=num_splits, v_mask=v_mask)
@@ -288,10 +312,9 @@ def test_small_group_and_ids_beyond_block_table_width():
     """GQA group 4 (Hq 8, Hkv 2: padded to 16 dot rows), and kv_len needing 4 blocks while the
     table has 2 columns: ids 2, 3 are masked (never clamped onto a page), so token 0 with
     [0, 1, 2, 3] equals token 1 with [0, 1]."""
-    from pallas_kernels.sparse_prefill import sparse_prefill
     rng = np.random.default_rng(3)
     kv = rng.standard_normal((5, 2, PAGE_SIZE, 2 * 32)).astype(np.float32)
-    kv[4] = np.nan                                            # past the table's last page
+    poison(kv, 4)                                             # past the table's last page
     q = jnp.asarray(np.repeat(rng.standard_normal((1, 8, 32)), 2, axis=0), jnp.float32)
     sel = np.full((2, 2, TOPK), -1, np.int32)
     sel[0, :, :4] = [0, 1, 2, 3]
@@ -314,6 +337,154 @@ def test_small_group_and_ids_beyond_block_table_width():
     p = np.exp(s - s.max(-1, keepdims=True))
     dense = np.einsum("hgk,hkd->hgd", p / p.sum(-1, keepdims=True), k[..., 32:])
     np.testing.assert_allclose(np.asarray(out[0]).reshape(2, 4, 32), dense, atol=atol, rtol=atol)
+
+
+def _attend(q_rows, kv_rows, scale):
+    """Float64 softmax attention of ``q_rows [G, D]`` over ``kv_rows [L, 2D]``."""
+    d = q_rows.shape[-1]
+    s = np.asarray(q_rows, np.float64) @ np.asarray(kv_rows[:, :d], np.float64).T * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ np.asarray(kv_rows[:, d:], np.float64)
+
+
+def test_poison_read_would_show():
+    """The sentinel is visible. Each wrong read the safety boundary prevents would move the
+    output by far more than the tolerance, while the kernel's output equals the oracle's:
+    - the stale-position row (kv_len 4096, selection [0, -1 x 15]) attends block 0 only; a
+      -1 wrapped to the last block-table column reads the poison page;
+    - a -1 slot of a long row clamped to block 0 (which the row never selected) and consumed
+      reads the poison page;
+    - a key past kv_len (2600) in the partial last page reads the poisoned tail."""
+    batch = build_batch(4, (Req(4096, edit="stale"), Req(5000, edit="minus1"), Req(2600)),
+                        hq=16, hkv=1, pad_tokens=0)
+    scale = D_MODEL ** -0.5
+    out, _ = sparse_decode(*batch.args(), scale=scale, num_splits=1)
+    out = np.asarray(out, np.float64)
+    atol, _ = tolerances(jnp.float32)
+    np.testing.assert_allclose(out, oracle(batch, scale)[0], atol=atol, rtol=atol)
+    kv, bt = batch.kv_cache[:, 0], batch.block_table                    # [N, 128, 2D]
+    assert bt[0, -1] == batch.poison_page and bt[1, 0] == batch.poison_page
+    assert batch.kept[0][0] == [0] and 0 not in batch.kept[1][0]
+
+    def rows(r, blocks, kv_len):
+        """K/V rows of ``blocks`` of request r at positions < kv_len."""
+        return np.concatenate([kv[bt[r, b]][:max(0, min(PAGE_SIZE, kv_len - b * PAGE_SIZE))]
+                               for b in blocks])
+
+    kept1 = batch.kept[1][0]
+    wrong = {  # (token, attention over what the wrong read would attend)
+        "wrapped -1": (0, np.concatenate([rows(0, [0], 4096), kv[batch.poison_page]])),
+        "clamped -1": (1, np.concatenate([rows(1, kept1, 5000), kv[batch.poison_page]])),
+        "tail": (2, rows(2, batch.kept[2][0], -(-2600 // PAGE_SIZE) * PAGE_SIZE)),
+    }
+    for name, (tok, kv_rows) in wrong.items():
+        np.testing.assert_allclose(_attend(batch.q[tok], rows(tok, batch.kept[tok][0],
+                                                              int(batch.kv_lens[tok])), scale),
+                                   out[tok], atol=atol, rtol=atol)   # the right rows: equal
+        assert np.abs(_attend(batch.q[tok], kv_rows, scale) - out[tok]).max() > 1.0, name
+
+
+NAN_REQS = (Req(300, q_len=3), Req(2500), Req(2500, edit="minus1"))
+
+
+def nan_batch(seed, dtype=jnp.float32):
+    """A batch with NaN in consumed keys and values, and in pages nothing consumes.
+
+    Requests: A (seq 300, 3 spec-decode tokens with kv_len 298, 299, 300), B (2500, 16 of 20
+    blocks), C (2500 with -1 slots inside its consumed range: they clamp to block 0, which is
+    the poison page). Hkv 2, group 2, D 32. NaN at
+      - K of key 299, head 1, in A's page of block 2: consumed by A's token 2 only;
+      - V of key 298, head 0, same page: consumed by A's tokens 1 and 2, masked for token 0
+        (a prefill tile holds all three: a NaN V row must not leak through a p = 0);
+      - V of one key of a kept, non-local block of B's head 0;
+      - everywhere nothing consumes: the poison page, the null page, the partial-page tails.
+    Returns the batch and the NaN rows ``(token, kv head)`` of the float64 oracle.
+    """
+    d = 32
+    batch = build_batch(seed, NAN_REQS, hq=4, hkv=2, d=d, pad_tokens=1)
+    kv = np.asarray(batch.kv_cache, np.float32)
+    page_a = batch.block_table[0, 2]
+    kv[page_a, 1, 299 - 256, 5] = np.nan
+    kv[page_a, 0, 298 - 256, d + 7] = np.nan
+    blk_b = batch.kept[3][0][3]
+    kv[batch.block_table[1, blk_b], 0, 5, d + 11] = np.nan
+    poison(kv, batch.poison_page, value=np.nan)
+    poison(kv, 0, value=np.nan)
+    for r, rq in enumerate(NAN_REQS):
+        page = batch.block_table[r, -(-rq.seq_len // PAGE_SIZE) - 1]
+        poison(kv, page, rq.seq_len % PAGE_SIZE or PAGE_SIZE, value=np.nan)
+    batch.kv_cache = np.array(jnp.asarray(kv, dtype))
+    batch.q = np.array(jnp.asarray(batch.q, dtype))
+    nan_rows = {(2, 1), (1, 0), (2, 0), (3, 0)}
+    assert batch.kv_lens[:3].tolist() == [298, 299, 300] and 2 in batch.kept[0][0]
+    return batch, nan_rows
+
+
+@pytest.mark.parametrize("fn,kw", [
+    (sparse_decode, dict(num_splits=1)),
+    (sparse_decode, dict(num_splits=4)),                  # NaN in one split's partial state
+    (sparse_decode, dict(num_splits=2, keys_per_step=64, v_mask="load")),
+    (sparse_prefill, dict(num_splits=1)),                 # A's 3 tokens + B share one tile
+    (sparse_prefill, dict(num_splits=2)),
+    (sparse_decode_reference, {}),
+])
+def test_nan_in_consumed_key_or_value_reaches_exactly_its_rows(fn, kw):
+    """NaN propagates like dense attention: into the output of each (token, KV head) that
+    consumes it (a NaN key also into its lse), never into another row, and NaN in keys or
+    pages nothing consumes changes nothing: the other rows equal the float64 oracle."""
+    batch, nan_rows = nan_batch(5)
+    scale = 32 ** -0.5
+    out, lse = fn(*batch.args(), scale=scale, **kw)
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    o_out, o_lse = oracle(batch, scale)
+    atol, lse_atol = tolerances(jnp.float32)
+    t, hq, d = out.shape
+    g = hq // 2
+    for i in range(t):
+        for h in range(2):
+            rows = slice(h * g, (h + 1) * g)
+            want_nan = (i, h) in nan_rows
+            assert np.isnan(o_out[i, rows]).any(axis=-1).all() == want_nan  # the oracle agrees
+            if want_nan:
+                assert np.isnan(out[i, rows]).any(axis=-1).all(), (i, h)
+            else:
+                assert np.isfinite(out[i, rows]).all(), (i, h)
+                np.testing.assert_allclose(out[i, rows], o_out[i, rows], atol=atol, rtol=atol)
+            # a NaN key makes the lse NaN, a NaN value does not (as in dense attention)
+            np.testing.assert_allclose(lse[i, rows], o_lse[i, rows], atol=lse_atol,
+                                       rtol=lse_atol)
+    assert np.isnan(lse[2, g:]).all() and np.isfinite(lse[1]).all()
+    np.testing.assert_array_equal(out[-1], 0.0)  # the padded token
+    np.testing.assert_array_equal(lse[-1], -np.inf)
+
+
+def test_finalize_and_merge_keep_nan_and_empty_rows():
+    """finalize: l == 0 -> (0, -inf), NaN l or acc -> NaN. merge_splits: empty splits weigh
+    0; a NaN lse or a NaN in o of any split (even one of weight 0) reaches the merged row."""
+    acc = jnp.asarray([[1.0, 2.0], [0.0, 0.0], [jnp.nan, 1.0], [3.0, 4.0]])
+    m = jnp.asarray([0.0, -1e30, 0.0, jnp.nan])
+    l = jnp.asarray([2.0, 0.0, 1.0, jnp.nan])
+    out, lse = finalize(acc, m, l)
+    np.testing.assert_allclose(np.asarray(out[0]), [0.5, 1.0])
+    np.testing.assert_allclose(float(lse[0]), np.log(2.0), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+    assert float(lse[1]) == -np.inf
+    assert np.isnan(out[2, 0]) and float(out[2, 1]) == 1.0 and np.isfinite(lse[2])
+    assert np.isnan(out[3]).all() and np.isnan(lse[3])
+
+    inf = jnp.inf
+    lse_s = jnp.asarray([[0.0, -inf, 0.0, jnp.nan, -inf, 0.0],
+                         [jnp.log(3.0), -inf, -inf, 0.0, -inf, -200.0]])       # [S=2, 6 rows]
+    o_s = jnp.asarray([[[1.0], [0.0], [2.0], [1.0], [0.0], [1.0]],
+                       [[5.0], [0.0], [0.0], [1.0], [0.0], [jnp.nan]]])         # [2, 6, 1]
+    out, lse = merge_splits(o_s, lse_s)
+    np.testing.assert_allclose(float(out[0, 0]), (1.0 + 3 * 5.0) / 4, rtol=1e-6)
+    np.testing.assert_allclose(float(lse[0]), np.log(4.0), rtol=1e-6)
+    assert float(out[1, 0]) == 0.0 and float(lse[1]) == -np.inf                  # all empty
+    assert float(out[2, 0]) == 2.0 and float(lse[2]) == 0.0                      # one empty
+    assert np.isnan(out[3, 0]) and np.isnan(lse[3])                              # NaN lse
+    assert float(out[4, 0]) == 0.0 and float(lse[4]) == -np.inf
+    assert np.isnan(out[5, 0]) and np.isfinite(lse[5])                           # NaN o, w ~ 0
 
 
 def _small_args(**over):

@@ -1,9 +1,10 @@
-"""Sparse prefill (spec section 5): kernel vs reference, numpy oracle, dense causal, decode.
+"""Sparse prefill: kernel vs reference, numpy oracle, dense causal attention, decode.
 
 Prefill rows have ``kv_len = position + 1``: a chunk of 34 tokens after a 2030-token prefix
 (crossing 2048, so the later rows select 16 of 17 blocks), a fresh 9-token prompt (its tile
 shares a program with the previous request's last tokens), a chunk with -1 inside the
-consumed range, a chunk with a duplicated id, padded tokens. The batch helpers and the
+consumed range, a chunk with a duplicated id, a chunk with valid ids in slots ``>= n_use``
+(never consumed), padded tokens. The batch helpers and the
 poison layout are those of ``test_sparse_decode``.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from test_sparse_decode import (Req, _small_args, assert_matches_reference_and_o
                                 build_batch, dense_causal_attention, tolerances)
 
 PREFILL_REQS = (Req(2064, q_len=34), Req(9, q_len=9), Req(305, q_len=5, edit="minus1"),
-                Req(600, q_len=2, edit="dup"))
+                Req(600, q_len=2, edit="dup"), Req(300, q_len=2, edit="beyond"))
 
 
 @pytest.mark.parametrize("dtype,hkv,d,tokens_per_tile,num_splits", [

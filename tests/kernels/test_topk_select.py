@@ -1,5 +1,5 @@
-"""sparse_topk_select (Pallas) vs sparse_topk_select_reference (lax.top_k), spec section 3;
-msa_index_select end to end."""
+"""sparse_topk_select (Pallas) vs sparse_topk_select_reference (lax.top_k); msa_index_select
+end to end."""
 import chex
 import jax.numpy as jnp
 import numpy as np
@@ -145,7 +145,7 @@ def test_msa_index_select_end_to_end(dtype, num_heads, index_dim):
     np.testing.assert_array_equal(got, want)
     nvp = np.asarray(pos) // 128 + 1
     check_structure(got, nvp, MAX_PAGES)
-    # while position < 2048 every visible block is selected (spec 3.5)
+    # while position < 2048 every visible block is selected
     small = np.asarray(pos) < 2048
     for t in np.nonzero(small)[0]:
         np.testing.assert_array_equal(got[t, :, :nvp[t]], np.broadcast_to(np.arange(nvp[t]),

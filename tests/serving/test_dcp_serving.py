@@ -227,12 +227,15 @@ def test_demo_dcp_flag_sets_host_devices_or_names_the_flag(monkeypatch, capsys):
     assert os.environ["XLA_FLAGS"] == f"--xla_cpu_foo=1 {HOST_DEVICES_FLAG}=3"
     request_host_devices(5)  # a flag already given is the user's choice: kept
     assert os.environ["XLA_FLAGS"] == f"--xla_cpu_foo=1 {HOST_DEVICES_FLAG}=3"
-    # jax already runs on len(jax.devices()) devices here: one rank more is refused clearly
+    # jax already runs on len(jax.devices()) devices here: one rank more is refused clearly,
+    # in one line on stderr with exit status 2 (tests/test_cli.py: before any work starts)
     n = len(jax.devices())
-    assert demo_main(["--dcp", str(n + 1), "--num-requests", "2"]) == 2
-    out = capsys.readouterr().out
-    assert f"{n + 1} ranks need {n + 1} devices" in out
-    assert f"XLA_FLAGS={HOST_DEVICES_FLAG}={n + 1}" in out
+    with pytest.raises(SystemExit) as exc:
+        demo_main(["--dcp", str(n + 1), "--num-requests", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --dcp: {n + 1} ranks need {n + 1} devices" in err
+    assert f"XLA_FLAGS={HOST_DEVICES_FLAG}={n + 1}" in err
 
 
 def test_scheduler_allocates_rank_local_pages():

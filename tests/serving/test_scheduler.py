@@ -140,3 +140,86 @@ def test_eos_stops_and_preempted_request_keeps_outputs():
         steps += 1
     assert not s.has_unfinished() and s.num_preemptions > 0
     assert all(len(r.output) == 50 for r in s.finished.values())
+
+
+def _check_slots(s: Scheduler):
+    held = [r.slot for r in s.running]
+    assert len(held) == len(set(held)) and all(0 <= x < s.config.max_num_seqs for x in held)
+    assert sorted(held + s._free_slots) == list(range(s.config.max_num_seqs))
+    assert all(r.slot == -1 for r in s.waiting)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 300), min_size=1, max_size=10),
+       new=st.lists(st.integers(1, 20), min_size=10, max_size=10),
+       aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 9)), max_size=6),
+       pages=st.integers(5, 20), seqs=st.integers(1, 6))
+def test_property_abort_anywhere_frees_pages_and_slots(lens, new, aborts, pages, seqs):
+    """Aborts at random steps (waiting, running, finished or unknown requests): the others
+    finish with their full outputs, and every page and slot is back at the end."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=16,
+                                  max_model_len=400, num_pages=pages))
+    accepted = []
+    for i, l in enumerate(lens):
+        try:
+            s.add_request(Request(i, tuple(range(l)), new[i]))
+            accepted.append(i)
+        except RequestRejectedError:
+            pass
+    plan = dict(aborts)
+    aborted = set()
+    step = 0
+    while s.has_unfinished():
+        if step in plan:
+            rid = plan[step]
+            req = s.abort(rid)
+            if req is not None and req.status is Status.ABORTED:
+                aborted.add(rid)
+                assert req.pages == [] and req.slot == -1
+            assert rid not in s._ids
+            if not s.has_unfinished():
+                break
+        b = s.schedule()
+        check_invariants(s, b)
+        _check_slots(s)
+        assert list(b.sampling.slot) == [r.slot for r in b.requests]
+        s.update(b, fake_model(b))
+        step += 1
+    done = {i for i in accepted if i not in aborted}
+    assert set(s.finished) <= done
+    for i in done - set(s.finished):  # finished and aborted afterwards: popped by abort
+        assert i in plan.values()
+    for r in s.finished.values():
+        assert len(r.output) == r.max_new_tokens and r.finish_reason == "length"
+    assert s.allocator.num_free == s.allocator.num_usable and s.num_pages_in_use == 0
+    _check_slots(s)
+
+
+def test_stop_tokens_finish_with_reason_and_ids_are_released():
+    s = make(0, [5, 5], [50, 50])
+    s.waiting[0].stop_token_ids = frozenset({7})
+    s.waiting[1].eos_token_id = 8
+    b = s.schedule()
+    done = s.update(b, [7, 8])  # both stop at their first sample
+    assert [(r.request_id, r.finish_reason, r.output) for r in done] == [(0, "stop", [7]),
+                                                                        (1, "stop", [8])]
+    assert s.pop_finished(0).request_id == 0
+    s.add_request(Request(0, (1, 2), 3))  # a popped id may be reused
+    with pytest.raises(RequestRejectedError, match="duplicate") as e:
+        s.add_request(Request(1, (1, 2), 3))  # still in finished
+    assert e.value.field == "request_id"
+    assert s.abort(1).status is Status.FINISHED and s.abort(1) is None
+
+
+def test_rejections_name_the_field():
+    s = make(0, [], [], max_model_len=300, num_pages=4)
+    cases = [(Request(0, tuple(range(300)), 1), "prompt", "leaves no room"),
+             (Request(1, tuple(range(200)), 101), "max_new_tokens", "exceeds max_model_len"),
+             (Request(2, tuple(range(280)), 5), "prompt", "needs 3 KV pages"),
+             (Request(3, tuple(range(200)), 60), "max_new_tokens", "needs 3 KV pages"),
+             (Request(4, (1,), 5, top_p=0.0), "top_p", r"\(0, 1\]"),
+             (Request(5, (1,), 5, temperature=3.0), "temperature", r"\[0, 2\]")]
+    for req, field, msg in cases:
+        with pytest.raises(RequestRejectedError, match=msg) as e:
+            s.add_request(req)
+        assert e.value.field == field

@@ -2,15 +2,19 @@
 
 Each case (``CASES``) is generated from its seed: requests with their sequence and query
 lengths, a block table over a random permutation of physical pages (page 0 = null page),
-bf16 index-K / KV caches and bf16 index queries / queries. Both sides get the same inputs:
+a bf16 KV cache and bf16 queries, and an index-K cache with index queries in bf16 or, for the
+``index_dtype="fp8_e4m3"`` cases, in float8_e4m3fn (raw values, no scale: vLLM's fp8 indexer
+path, an e4m3 x e4m3 dot; ours takes the e4m3 cache as is and the same e4m3 index queries
+carried exactly in bf16, since ``msa_index_scores`` takes bf16/f16/f32 queries). Both sides get
+the same inputs:
 
 - ours: ``pallas_kernels`` (``--ours kernels``: the Pallas kernels, interpret mode on CPU;
   ``--ours reference``: their jnp references) — ``msa_index_scores`` -> ``sparse_topk_select``
   -> ``sparse_decode`` (decode cases) or ``sparse_prefill`` (prefill cases);
 - vLLM: ``minimax_m3_index_decode`` + ``minimax_m3_sparse_attn_decode`` (decode) or
   ``minimax_m3_index_score`` + ``minimax_m3_index_topk`` + ``minimax_m3_sparse_attn``
-  (prefill), run by ``compare_vllm_side.py`` in a subprocess (``--vllm-python``; on CPU the
-  ``.venv-vllm`` Python under Triton's interpreter, on a GPU compiled).
+  (prefill), run by ``tools/vllm_compare/vllm_side.py`` in a subprocess (``--vllm-python``;
+  on CPU the ``.venv-vllm`` Python under Triton's interpreter, on a GPU compiled).
 
 Per case it reports: selection agreement as sets per (token, KV head); exact score ties
 (the 16th and 17th best block scores equal in exact float64 arithmetic, where any choice
@@ -19,7 +23,8 @@ is correct) counted separately and never hidden; attention output relative L2 er
 both sides' error against a float64 oracle; on a GPU both sides' median times.
 
 CLI: ``jax-msa-runner compare [--device cpu|gpu] [--ours kernels|reference] ...``
-(``python -m tools.vllm_compare.compare --help``). Exit status 0 iff every case passes.
+(``python -m tools.vllm_compare.compare --help``). Exit status 0 iff every case passes; 2
+with one error line naming the flag and its bound for a bad flag value.
 """
 from __future__ import annotations
 
@@ -39,10 +44,11 @@ import numpy as np
 PAGE = 128
 TOPK = 16
 GROUP = 16  # query heads per KV head (MiniMax-M3)
-REPO = pathlib.Path(__file__).resolve().parents[1]
+INDEX_DTYPES = ("bf16", "fp8_e4m3")  # index-K cache and index queries: bits as uint16 / uint8
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 DEFAULT_OPS_DIR = REPO / ".vllm_ops"
-VLLM_SIDE = pathlib.Path(__file__).resolve().with_name("compare_vllm_side.py")
+VLLM_SIDE = pathlib.Path(__file__).resolve().with_name("vllm_side.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +59,7 @@ class CaseSpec:
     (a chunk of ``query_lens[r]`` tokens after a prefix of ``seq_lens[r] - query_lens[r]``).
     zero_index_q_reqs: requests whose index queries are zero (all block scores tie exactly).
     perturb_vllm_page: negative control — one index-K page is changed on vLLM's input only.
+    index_dtype: "bf16" or "fp8_e4m3" (index-K cache and index queries in float8_e4m3fn).
     """
 
     name: str
@@ -64,6 +71,7 @@ class CaseSpec:
     covers: str = ""
     zero_index_q_reqs: tuple[int, ...] = ()
     perturb_vllm_page: bool = False
+    index_dtype: str = "bf16"
 
 
 CASES: tuple[CaseSpec, ...] = (
@@ -81,6 +89,12 @@ CASES: tuple[CaseSpec, ...] = (
     CaseSpec("pre_h4_prefix", "prefill", 4, (2304, 103), (4, 3), 112, "Hkv 4 prefill chunks"),
     CaseSpec("dec_h1_ties", "decode", 1, (3000, 2600), (1, 1), 113, "exact ties: zero index q (req 0)",
              zero_index_q_reqs=(0,)),
+    CaseSpec("dec_h1_fp8", "decode", 1, (5000, 2049), (1, 1), 114,
+             "fp8 e4m3 index q + index-K, 40 and 17 pages", index_dtype="fp8_e4m3"),
+    CaseSpec("dec_h4_fp8", "decode", 4, (2200,), (1,), 115, "fp8 e4m3 index, Hkv 4, 18 pages",
+             index_dtype="fp8_e4m3"),
+    CaseSpec("pre_h1_fp8", "prefill", 1, (2100, 9), (7, 9), 116,
+             "fp8 e4m3 index, chunk across 16 pages + fresh", index_dtype="fp8_e4m3"),
 )
 
 NEGATIVE_CONTROL = CaseSpec("neg_perturbed_page", "decode", 1, (3000, 2600), (1, 1), 201,
@@ -98,12 +112,24 @@ def bf16_to_f64(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
+def _fp8_bits(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Standard normal values rounded to float8_e4m3fn, as uint8 bit patterns."""
+    return rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def index_to_f64(bits: np.ndarray) -> np.ndarray:
+    """Index-K / index-query bit patterns -> float64 (exact): uint16 = bf16, uint8 = e4m3."""
+    if bits.dtype == np.uint8:
+        return bits.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return bf16_to_f64(bits)
+
+
 def make_inputs(spec: CaseSpec, index_dim: int = 128, head_dim: int = 128) -> dict[str, np.ndarray]:
     """Generate one case's inputs from its seed (numpy only; bf16 as uint16 bits).
 
-    Returns: mode, index_q [T,Hkv,Di], index_k [N,128,Di], q [T,16*Hkv,D],
-    kv [N,Hkv,128,2D] (u16 bf16 bits); block_table [R,P], seq_lens [R], query_lens [R],
-    req_indices [T], positions [T], kv_lens [T] (int32); scale (f32 scalar).
+    Returns: mode, index_dtype, index_q [T,Hkv,Di], index_k [N,128,Di] (u16 bf16 or u8 e4m3
+    bits), q [T,16*Hkv,D], kv [N,Hkv,128,2D] (u16 bf16 bits); block_table [R,P], seq_lens
+    [R], query_lens [R], req_indices [T], positions [T], kv_lens [T] (int32); scale (f32).
     """
     seq = np.asarray(spec.seq_lens, np.int32)
     qlen = np.asarray(spec.query_lens, np.int32)
@@ -111,6 +137,10 @@ def make_inputs(spec: CaseSpec, index_dim: int = 128, head_dim: int = 128) -> di
         raise ValueError(f"{spec.name}: need 1 <= query_lens <= seq_lens, got {seq}, {qlen}")
     if spec.mode == "decode" and len(set(qlen.tolist())) != 1:
         raise ValueError(f"{spec.name}: decode cases need one query length, got {qlen}")
+    if spec.index_dtype not in INDEX_DTYPES:
+        raise ValueError(f"{spec.name}: index_dtype must be one of {INDEX_DTYPES}, "
+                         f"got {spec.index_dtype!r}")
+    index_bits = _bf16_bits if spec.index_dtype == "bf16" else _fp8_bits
     rng = np.random.default_rng(spec.seed)
     hkv, r = spec.num_kv_heads, len(seq)
     pages = -(-seq // PAGE)
@@ -126,13 +156,14 @@ def make_inputs(spec: CaseSpec, index_dim: int = 128, head_dim: int = 128) -> di
     qpos = np.concatenate([np.arange(k, dtype=np.int32) for k in qlen])
     positions = (seq - qlen)[req] + qpos
     t = len(req)
-    index_q = _bf16_bits(rng, (t, hkv, index_dim))
+    index_q = index_bits(rng, (t, hkv, index_dim))
     for z in spec.zero_index_q_reqs:
         index_q[req == z] = 0
     return {
         "mode": np.asarray(spec.mode),
+        "index_dtype": np.asarray(spec.index_dtype),
         "index_q": index_q,
-        "index_k": _bf16_bits(rng, (n, PAGE, index_dim)),
+        "index_k": index_bits(rng, (n, PAGE, index_dim)),
         "q": _bf16_bits(rng, (t, GROUP * hkv, head_dim)),
         "kv": _bf16_bits(rng, (n, hkv, PAGE, 2 * head_dim)),
         "block_table": bt,
@@ -149,6 +180,8 @@ def perturb_one_page(inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarra
     """Negative control: vLLM's copy of the index-K page of token 0's *worst* block gets
     ``8 * index_q[0, 0]`` in every row, so that block becomes the best of (token 0, head 0)
     on vLLM's side only. Returns (perturbed inputs, description)."""
+    if inputs["index_k"].dtype != np.uint16:
+        raise ValueError("negative control needs a bf16 index-K cache")
     scores = oracle_scores(inputs)
     nvp = inputs["positions"] // PAGE + 1
     n0 = int(nvp[0])
@@ -166,9 +199,9 @@ def perturb_one_page(inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarra
 
 # ----------------------------------------------------------------------------- float64 oracle
 def oracle_scores(inputs: dict[str, np.ndarray]) -> np.ndarray:
-    """Exact block scores [T, Hkv, P] float64 (spec section 2); -inf where nothing is visible."""
-    iq = bf16_to_f64(inputs["index_q"])
-    ik = bf16_to_f64(inputs["index_k"])
+    """Exact block scores [T, Hkv, P] float64; -inf where nothing is visible."""
+    iq = index_to_f64(inputs["index_q"])
+    ik = index_to_f64(inputs["index_k"])
     bt = inputs["block_table"]
     pages = bt[inputs["req_indices"]]  # [T, P]
     s = np.einsum("thd,tpkd->thpk", iq, ik[pages])  # [T, H, P, 128]
@@ -179,7 +212,7 @@ def oracle_scores(inputs: dict[str, np.ndarray]) -> np.ndarray:
 
 def oracle_attention(inputs: dict[str, np.ndarray], selected: np.ndarray) -> np.ndarray:
     """Sparse attention [T, Hq, D] float64 over the given selection [T, Hkv, 16] (ids < 0
-    or >= ceil(kv_len / 128) contribute nothing), keys ``< kv_len`` (spec sections 4-5)."""
+    or >= ceil(kv_len / 128) contribute nothing), keys ``< kv_len``."""
     q = bf16_to_f64(inputs["q"])
     kv = bf16_to_f64(inputs["kv"])
     t, hq, d = q.shape
@@ -255,7 +288,12 @@ def run_ours(inputs: dict[str, np.ndarray], ours: str, interpret: bool, time_ite
     indexer, attention = _our_functions(ours, interpret)
     bf = lambda k: jnp.asarray(inputs[k].view(ml_dtypes.bfloat16))  # noqa: E731
     i32 = lambda k: jnp.asarray(inputs[k], jnp.int32)  # noqa: E731
-    iq, ik, q, kv = bf("index_q"), bf("index_k"), bf("q"), bf("kv")
+    q, kv = bf("q"), bf("kv")
+    if str(inputs["index_dtype"]) == "fp8_e4m3":  # e4m3 cache as is; e4m3 queries exact in bf16
+        e4m3 = lambda k: jnp.asarray(inputs[k].view(ml_dtypes.float8_e4m3fn))  # noqa: E731
+        iq, ik = e4m3("index_q").astype(jnp.bfloat16), e4m3("index_k")
+    else:
+        iq, ik = bf("index_q"), bf("index_k")
     bt, req, pos, kv_lens = i32("block_table"), i32("req_indices"), i32("positions"), i32("kv_lens")
     scale = float(inputs["scale"])
     attn = attention(str(inputs["mode"]))
@@ -344,6 +382,7 @@ def summarize_case(spec: CaseSpec, inputs: dict, ours: dict, theirs: dict, atten
     agree_tok = agree_tok.reshape(len(vllm_out), spec.num_kv_heads).all(axis=1)
     row = {
         "case": spec.name, "mode": spec.mode, "hkv": spec.num_kv_heads,
+        "index_dtype": spec.index_dtype,
         "seq_lens": list(spec.seq_lens), "query_lens": list(spec.query_lens), "seed": spec.seed,
         "covers": spec.covers, **sel,
         "tokens_compared": int(agree_tok.sum()), "tokens": int(len(vllm_out)),
@@ -396,7 +435,15 @@ def run_comparison(specs=CASES, *, ours: str = "kernels", device: str = "cpu",
     concurrently with ours on CPU, before ours on a GPU (so timings do not overlap and JAX
     has not reserved GPU memory).
     Negative-control rows have ``passed`` True iff the perturbation was detected.
+    Raises ValueError naming the argument and its bound for a bad ``time_iters`` (>= 0),
+    ``tol`` (finite, > 0) or ``vllm_workers`` (>= 1).
     """
+    if not (isinstance(time_iters, int) and time_iters >= 0):
+        raise ValueError(f"time_iters must be an integer >= 0, got {time_iters!r}")
+    if not (np.isfinite(tol) and tol > 0):
+        raise ValueError(f"tol must be a finite number > 0, got {tol!r}")
+    if vllm_workers is not None and not (isinstance(vllm_workers, int) and vllm_workers >= 1):
+        raise ValueError(f"vllm_workers must be an integer >= 1, got {vllm_workers!r}")
     specs = list(specs) + ([NEGATIVE_CONTROL] if negative_control else [])
     vllm_python = vllm_python or (str(DEFAULT_VLLM_PYTHON) if device == "cpu" else sys.executable)
     ops_dir = pathlib.Path(ops_dir)
@@ -436,7 +483,7 @@ def run_comparison(specs=CASES, *, ours: str = "kernels", device: str = "cpu",
             err_file = folder / f"{spec.name}.vllm.json"
             res_file = folder / f"{spec.name}.vllm.npz"
             base = {"case": spec.name, "mode": spec.mode, "hkv": spec.num_kv_heads,
-                    "seq_lens": list(spec.seq_lens), "query_lens": list(spec.query_lens),
+                    "index_dtype": spec.index_dtype, "seq_lens": list(spec.seq_lens), "query_lens": list(spec.query_lens),
                     "seed": spec.seed, "covers": spec.covers, "passed": False}
             mine = ours_results[spec.name]
             if isinstance(mine, Exception):
@@ -466,21 +513,22 @@ def _fmt_us(pair) -> str:
 def markdown_table(rows: list[dict], header: str = "") -> str:
     """The report as a markdown table (one line per case)."""
     lines = [header] if header else []
-    lines += ["| case | mode | Hkv | seq_lens | q_lens | rows (<=16 pages) | sets agree | exact ties "
-              "(disagree) | mismatch | out rel err (tokens) | rel err, vLLM sel | ours / vLLM vs f64 "
-              "| ours us idx / attn | vLLM us idx / attn | pass |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| case | mode | Hkv | index | seq_lens | q_lens | rows (<=16 pages) | sets agree "
+              "| exact ties (disagree) | mismatch | out rel err (tokens) | rel err, vLLM sel "
+              "| ours / vLLM vs f64 | ours us idx / attn | vLLM us idx / attn | pass |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['case']} | {r['mode']} | {r['hkv']} | {r['seq_lens']} | {r['query_lens']} "
+            lines.append(f"| {r['case']} | {r['mode']} | {r['hkv']} | {r['index_dtype']} "
+                         f"| {r['seq_lens']} | {r['query_lens']} "
                          f"| ERROR: {r['error']} |  |  |  |  |  |  |  |  | FAIL |")
             continue
         verdict = "PASS" if r["passed"] else "FAIL"
         if "detected" in r:
             verdict = ("detected" if r["passed"] else "NOT DETECTED") + " (neg. control)"
         lines.append(
-            f"| {r['case']} | {r['mode']} | {r['hkv']} | {r['seq_lens']} | {r['query_lens']} "
-            f"| {r['rows']} ({r['rows_le16']}) | {r['agree']} | {r['ties']} ({r['tie_disagree']}) "
+            f"| {r['case']} | {r['mode']} | {r['hkv']} | {r['index_dtype']} | {r['seq_lens']} "
+            f"| {r['query_lens']} | {r['rows']} ({r['rows_le16']}) | {r['agree']} | {r['ties']} ({r['tie_disagree']}) "
             f"| {r['mismatch']} | {r['out_rel_err']:.1e} ({r['tokens_compared']}/{r['tokens']}) "
             f"| {r['out_rel_err_vllm_sel']:.1e} | {r['ours_vs_oracle']:.1e} / {r['vllm_vs_oracle']:.1e} "
             f"| {_fmt_us(r['ours_us'])} | {_fmt_us(r['vllm_us'])} | {verdict} |")
@@ -491,8 +539,39 @@ def _jsonable(rows: list[dict]) -> list[dict]:
     return json.loads(json.dumps(rows, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def int_at_least(low: int):
+    """argparse type: an integer >= ``low`` (the error names the bound)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
+    if not (np.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="jax-msa-runner compare", description=__doc__.split("\n\n")[0])
+    ap = OneLineErrorParser(prog="jax-msa-runner compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                     help="cpu: Pallas interpret mode + Triton interpreter; gpu: both compiled, timed")
     ap.add_argument("--ours", choices=["kernels", "reference"], default="kernels",
@@ -503,10 +582,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops-dir", default=str(DEFAULT_OPS_DIR), help="folder built by vllm_ops.py")
     ap.add_argument("--cases", default="all", help="comma-separated case names, or 'all'")
     ap.add_argument("--negative-control", action="store_true", help="also run the perturbed-page control")
-    ap.add_argument("--time-iters", type=int, default=None, help="timed calls per op (default: 0 cpu, 30 gpu)")
-    ap.add_argument("--tol", type=float, default=1e-2, help="max output relative L2 error")
-    ap.add_argument("--vllm-workers", type=int, default=None,
-                    help="vLLM-side processes (default: 2 on cpu, 1 on gpu)")
+    ap.add_argument("--time-iters", type=int_at_least(0), default=None,
+                    help="timed calls per op, >= 0 (default: 0 cpu, 30 gpu)")
+    ap.add_argument("--tol", type=positive_float, default=1e-2,
+                    help="max output relative L2 error, > 0 (default 1e-2)")
+    ap.add_argument("--vllm-workers", type=int_at_least(1), default=None,
+                    help="vLLM-side processes, >= 1 (default: 2 on cpu, 1 on gpu)")
     ap.add_argument("--out-dir", default=None, help="write compare.json and compare.md here")
     args = ap.parse_args(argv)
     if args.device == "gpu":

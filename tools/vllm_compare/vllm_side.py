@@ -5,17 +5,19 @@ jax), so it runs in the comparison venv (Python 3.11, CPU torch, Triton interpre
 in any Python that has torch + triton (the GPU machine). Run by path, as a subprocess of
 ``tools.vllm_compare.compare``:
 
-    python jax_msa_runner/compare_vllm_side.py --ops-dir .vllm_ops --cases DIR [--device cuda]
+    python tools/vllm_compare/vllm_side.py --ops-dir .vllm_ops --cases DIR [--device cuda]
         [--names a,b] [--time-iters N]
 
 For each ``DIR/<name>.in.npz`` it writes ``DIR/<name>.vllm.npz`` (selection, output, times)
 or, when the ops raise, ``DIR/<name>.vllm.json`` with the error; it never stops at a
 failing case. On CPU set ``TRITON_INTERPRET=1`` and ``CUDA_VISIBLE_DEVICES=""`` first.
 
-Case input arrays (bf16 travel as their uint16 bit patterns):
+Case input arrays (bf16 travel as their uint16 bit patterns, float8_e4m3fn as uint8):
   mode            'decode' (uniform query length per request) or 'prefill'
-  index_q  u16    [T, Hkv, Di]      index queries (one index head per KV head)
-  index_k  u16    [N, 128, Di]      index-K cache
+  index_dtype     'bf16' (u16 index arrays) or 'fp8_e4m3' (u8: vLLM's fp8 indexer path,
+                  an e4m3 x e4m3 dot); absent = 'bf16'
+  index_q  u16|u8 [T, Hkv, Di]      index queries (one index head per KV head)
+  index_k  u16|u8 [N, 128, Di]      index-K cache
   q        u16    [T, Hq, D]        queries, Hq = 16 * Hkv
   kv       u16    [N, Hkv, 128, 2D] KV cache (K then V in the last axis)
   block_table i32 [R, P];  seq_lens i32 [R];  query_lens i32 [R];  scale f32 []
@@ -72,6 +74,20 @@ def bf16_from_bits(bits: np.ndarray, device: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16).to(device)
 
 
+def fp8_from_bits(bits: np.ndarray, device: str) -> torch.Tensor:
+    """uint8 bit patterns -> a float8_e4m3fn torch tensor on ``device``."""
+    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn).to(device)
+
+
+def index_from_bits(bits: np.ndarray, index_dtype: str, device: str) -> torch.Tensor:
+    """Index-K / index-query bits -> a torch tensor in ``index_dtype`` ('bf16' | 'fp8_e4m3')."""
+    want = {"bf16": np.uint16, "fp8_e4m3": np.uint8}.get(index_dtype)
+    if want is None or bits.dtype != want:
+        raise ValueError(f"index arrays must be {want} bits for index_dtype {index_dtype!r}, "
+                         f"got {bits.dtype}")
+    return bf16_from_bits(bits, device) if index_dtype == "bf16" else fp8_from_bits(bits, device)
+
+
 def bits_from_bf16(x: torch.Tensor) -> np.ndarray:
     """A bf16 torch tensor -> its uint16 bit patterns (numpy, host)."""
     return x.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
@@ -98,8 +114,9 @@ def run_case(ops: VllmOps, case: dict, device: str = "cpu", time_iters: int = 0)
     mode = str(case["mode"])
     hkv = int(case["index_q"].shape[1])
     scale = float(case["scale"])
-    iq = bf16_from_bits(case["index_q"], device)
-    ik = bf16_from_bits(case["index_k"], device)
+    index_dtype = str(case["index_dtype"]) if "index_dtype" in case else "bf16"
+    iq = index_from_bits(case["index_q"], index_dtype, device)
+    ik = index_from_bits(case["index_k"], index_dtype, device)
     q = bf16_from_bits(case["q"], device)
     kv = bf16_from_bits(case["kv"], device)
     bt = torch.from_numpy(case["block_table"].astype(np.int32)).to(device)
@@ -150,12 +167,31 @@ def run_case(ops: VllmOps, case: dict, device: str = "cpu", time_iters: int = 0)
     return result
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Run vLLM 0.33.0's MiniMax-M3 ops on comparison cases.")
+    ap = _OneLineErrorParser(description="Run vLLM 0.33.0's MiniMax-M3 ops on comparison cases.")
     ap.add_argument("--ops-dir", required=True)
     ap.add_argument("--cases", required=True, help="folder of <name>.in.npz files")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--time-iters", type=int, default=0, help="timed calls per op (GPU); 0 = no timing")
+    ap.add_argument("--time-iters", type=_non_negative_int, default=0,
+                    help="timed calls per op (GPU), >= 0; 0 = no timing")
     ap.add_argument("--names", default=None, help="comma-separated case names to run (default: all)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)

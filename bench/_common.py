@@ -1,0 +1,381 @@
+"""What every bench script shares. Import it first: ``import _common``.
+
+- Preamble: puts the repository root on ``sys.path`` (the scripts run by path, e.g.
+  ``python3 bench/kernels.py``) and filters the one known warning (the Pallas Triton
+  backend's deprecation), nothing else.
+- ``time_jax``: the one timer of our JAX ops, in two L2 modes named in every output:
+  ``"cold"``: ONE jitted executable holding (256 MiB flush; optimization_barrier; op) is
+  dispatched ``n`` times back to back, then the flush-only executable ``n`` times; a sample
+  is the wall-time difference over ``n``. Each executable holds exactly one flush and one op,
+  so every op runs right after a flush whatever order XLA gives the two inside it (XLA drops
+  optimization barriers before scheduling; they do not order). The flush outlasts the host's
+  dispatch of a call, so the device queue never drains: the figure is device time
+  (``Timing.gpu_bound`` records the check).
+  ``"warm"``: the op's executable dispatched ``n`` times back to back, no flush: inputs that fit
+  may stay in L2; wall time over ``n``, device time only where the op outlasts its dispatch
+  (``gpu_bound``).
+- ``host_latency_s``: wall time of whole host-driven calls (a serving step, host packing),
+  for the scripts that time end-to-end latency rather than device work.
+- Arguments (``add_common_args``, ``positive_int``), ``write_json`` (adds date, device,
+  jax version), ``copy_bandwidth`` (the roofline), ``hlo_kernel_count``, ``rel_l2``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import warnings
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
+                        category=DeprecationWarning)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jaxlib  # noqa: E402
+import numpy as np  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+# Pallas keyword for this backend: compiled on a GPU, interpret mode elsewhere (CPU smoke runs).
+PALLAS_KW: dict = {} if ON_GPU else {"interpret": True}
+
+L2_MODES = ("cold", "warm")
+FLUSH_BYTES = 256 << 20  # the cold-L2 flush: 5x the H200's 50 MiB L2
+
+
+def timer_description(l2: str, n: int) -> str:
+    """One line naming how ``time_jax`` measured (for JSON and printed tables)."""
+    _check_l2(l2)
+    if l2 == "cold":
+        return (f"cold L2: one XLA executable (256 MiB flush; optimization_barrier; op) "
+                f"dispatched {n} x back to back minus the flush-only executable {n} x, per call")
+    return (f"warm L2: the op's XLA executable dispatched {n} x back to back (no flush), "
+            f"wall time per call")
+
+
+def _check_l2(l2: str) -> None:
+    if l2 not in L2_MODES:
+        raise ValueError(f"l2: must be one of {L2_MODES}, got {l2!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """``time_jax``'s result: seconds per call, one sample per trial, and the checks."""
+    l2: str
+    samples_s: list
+    host_us_per_call: float  # host time to dispatch one call (median over trials)
+    flush_us: float | None  # device time of one flush (cold mode)
+
+    @property
+    def us(self) -> float:
+        return statistics.median(self.samples_s) * 1e6
+
+    @property
+    def gpu_bound(self) -> bool:
+        """The host dispatched each call faster than the device ran it (the flush, when cold;
+        the op itself, when warm), so the samples are device time."""
+        return self.host_us_per_call < (self.flush_us if self.l2 == "cold" else self.us)
+
+    def as_dict(self) -> dict:
+        return {"l2": self.l2, "us": round(self.us, 3),
+                "samples_us": [round(v * 1e6, 3) for v in self.samples_s],
+                "host_us_per_call": round(self.host_us_per_call, 2),
+                "flush_us": None if self.flush_us is None else round(self.flush_us, 2),
+                "gpu_bound": self.gpu_bound}
+
+
+def _flush(buf: jax.Array) -> jax.Array:
+    """Rewrites the whole flush buffer (read + write): evicts the L2. The dirty lines it leaves
+    are written back during the timed op (extra DRAM traffic, paid by every side alike). A
+    read-only pass left part of the previous inputs in L2 on the H200: not a cold L2."""
+    return buf + 1.0
+
+
+_flush_only = jax.jit(_flush, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _executable(fn, l2: str):
+    """jit of (flush; optimization_barrier; fn) (cold) or of fn (warm), cached per (fn, l2):
+    pass the same function object to reuse the compiled executable."""
+    if l2 == "warm":
+        return jax.jit(fn)
+
+    def flushed(buf, args):
+        buf = _flush(buf)
+        buf, args = jax.lax.optimization_barrier((buf, args))
+        return buf, fn(*args)
+    return jax.jit(flushed, donate_argnums=0)
+
+
+def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str) -> Timing:
+    """Seconds per call of ``fn(*args)`` (see the module docstring), one sample per trial.
+
+    fn: a jax function of arrays (pytrees allowed); args: its positional arguments.
+    l2: "cold" or "warm" (required: every call site names its mode).
+    """
+    _check_l2(l2)
+    if n < 1 or trials < 1:
+        raise ValueError(f"n and trials must be >= 1, got n={n}, trials={trials}")
+    ex = _executable(fn, l2)
+    buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32) if l2 == "cold" else None
+
+    def loop(step) -> tuple[float, float]:
+        """(wall s, host dispatch s) of n async calls of step, then one block."""
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = step()
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0, t1 - t0
+
+    def with_op():
+        nonlocal buf
+        if l2 == "warm":
+            return ex(*args)
+        buf, out = ex(buf, args)
+        return buf, out
+
+    def flush():
+        nonlocal buf
+        buf = _flush_only(buf)
+        return buf
+
+    jax.block_until_ready(with_op())  # compile + warm-up
+    if l2 == "cold":
+        jax.block_until_ready(flush())
+    samples, host, flush_s = [], [], []
+    for _ in range(trials):
+        t_op, h_op = loop(with_op)
+        host.append(h_op / n)
+        if l2 == "cold":
+            t_fl, _ = loop(flush)
+            flush_s.append(t_fl / n)
+            samples.append(max((t_op - t_fl) / n, 1e-9))
+        else:
+            samples.append(t_op / n)
+    del buf
+    return Timing(l2, samples, statistics.median(host) * 1e6,
+                  statistics.median(flush_s) * 1e6 if flush_s else None)
+
+
+def host_latency_s(fn, *, repeats: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of each of ``repeats`` calls of ``fn()`` after ``warmup`` calls. ``fn``
+    must block until its device work is done (e.g. end in ``jax.block_until_ready``); the
+    figure includes host work and dispatch: the latency a caller sees, not device time."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def median_us(samples_s: list[float]) -> float:
+    return statistics.median(samples_s) * 1e6
+
+
+# --------------------------------------------------------------------------- roofline
+
+def scale_copy(a: jax.Array) -> jax.Array:
+    """The roofline's copy kernel: reads and writes ``a`` once."""
+    return a * jnp.asarray(1.0009765625, a.dtype)
+
+
+def same_traffic_copy_input(nbytes: int) -> jax.Array:
+    """A bf16 array whose :func:`scale_copy` moves ``nbytes`` (half read, half written)."""
+    return jnp.ones((max(nbytes // 4, 1),), jnp.bfloat16)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, *, n: int = 10, trials: int = 3) -> dict:
+    """Device copy bandwidth, bytes read + written per second: ``scale_copy`` over
+    ``nbytes / 2`` bytes, timed by ``time_jax`` (warm mode: the array is 40x the L2, and one
+    copy outlasts its dispatch by far)."""
+    x = same_traffic_copy_input(nbytes)
+    t = min(time_jax(scale_copy, (x,), n=n, trials=trials, l2="warm").samples_s)
+    del x
+    return {"copy_Bps": nbytes / t, "bytes": nbytes,
+            "method": f"jnp scale copy of {nbytes >> 20} MiB (read + write), "
+                      f"{timer_description('warm', n)}, best of {trials}"}
+
+
+# --------------------------------------------------------------------------- kernel count
+
+_FREE_OPCODES = frozenset({
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "opt-barrier",
+    "call", "while", "conditional", "after-all", "add-dependency", "partition-id",
+    "replica-id", "domain", "async-done", "async-update", "copy-done"})
+_CALLED = re.compile(r"\b(?:to_apply|body|condition|calls|true_computation|false_computation)"
+                     r"=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+def _opcode(rest: str) -> str:
+    """The opcode of an instruction's text after ``name = ``: skip the (maybe tuple) shape."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                rest = rest[i + 1:].lstrip()
+                break
+    else:
+        rest = rest.split(" ", 1)[1] if " " in rest else ""
+    m = re.match(r"([\w\-]+)\(", rest)
+    return m.group(1) if m else "?"
+
+
+def hlo_kernel_count(hlo_text: str) -> dict:
+    """Kernels in an optimised HLO module's text (``compiled.as_text()``).
+
+    Counted, once each: every instruction of the entry computation, and of the computations it
+    reaches through call / while / conditional (command buffers, loop bodies), whose opcode
+    launches device work: fusions, custom calls (Pallas/Triton kernels, library calls), and
+    unfused copies, sorts etc. Not counted: parameters, constants, tuples, bitcasts, barriers,
+    the control-flow instructions themselves, and anything inside a fusion. A loop body's
+    kernels count once, not once per iteration (``loops`` says whether there was one).
+    Returns {"total": int, "by_opcode": {opcode: count}, "loops": bool}.
+    """
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        m = _HEADER.match(line)
+        if m and not line.startswith(" "):
+            current = m.group(2)
+            comps[current] = []
+            if m.group(1):
+                entry = current
+        elif line.strip() == "}":
+            current = None
+        elif current is not None and _INSTR.match(line):
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("hlo_text: no ENTRY computation found")
+    by_opcode: dict[str, int] = {}
+    loops, seen, todo = False, set(), [entry]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            op = _opcode(line[_INSTR.match(line).end():])
+            if op in ("call", "while", "conditional"):
+                loops |= op == "while"
+                for a, b in _CALLED.findall(line):
+                    todo += [a] if a else [s.strip().lstrip("%") for s in b.split(",")]
+            elif op not in _FREE_OPCODES:
+                by_opcode[op] = by_opcode.get(op, 0) + 1
+    return {"total": sum(by_opcode.values()), "by_opcode": by_opcode, "loops": loops}
+
+
+KERNEL_COUNT_DOC = ("XLA kernels: fusions + custom calls (Pallas/Triton) + unfused copies/sorts "
+                    "in the op's optimised HLO, each once (bitcasts, tuples, parameters, "
+                    "constants not counted; see _common.hlo_kernel_count)")
+
+
+def compile_op(fn, *args):
+    """``jax.jit(fn)`` compiled for ``args``: call it for the outputs, and read its kernel
+    count with ``hlo_kernel_count(compiled.as_text())``."""
+    return jax.jit(fn).lower(*args).compile()
+
+
+# --------------------------------------------------------------------------- numbers
+
+def rel_l2(a, b) -> float:
+    """||a - b|| / ||b|| in float64 (0 for two empty arrays); NaN or inf anywhere gives inf."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"rel_l2: shapes differ, {a.shape} vs {b.shape}")
+    if a.size == 0:
+        return 0.0
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def geomean(xs) -> float:
+    xs = [float(x) for x in xs]
+    return float(np.exp(np.mean(np.log(xs)))) if xs else float("nan")
+
+
+# --------------------------------------------------------------------------- arguments, output
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (the error names the bound)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (the error names the bound)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def add_common_args(p: argparse.ArgumentParser, *, reps: int, trials: int,
+                    out_required: bool = True) -> argparse.ArgumentParser:
+    """--out DIR, --reps (calls per timed executable), --trials, --seed."""
+    if out_required:
+        p.add_argument("--out", required=True, help="directory for the results")
+    else:
+        p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"),
+                       help="directory for the results (default $OUT or /tmp/out)")
+    p.add_argument("--reps", type=positive_int, default=reps,
+                   help=f"calls per timed executable (default {reps})")
+    p.add_argument("--trials", type=positive_int, default=trials,
+                   help=f"samples per timing (default {trials})")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    return p
+
+
+def run_meta() -> dict:
+    """Date (UTC), device, backend and versions: stamped on every JSON the scripts write."""
+    dev = jax.devices()[0]
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": str(dev.device_kind), "backend": jax.default_backend(),
+            "device_count": jax.device_count(), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__}
+
+
+def write_json(path: str, payload: dict) -> None:
+    """``payload`` with a ``meta`` entry (run_meta) first; parent directory created."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    doc = {"meta": payload.get("meta") or run_meta(), **{k: v for k, v in payload.items()
+                                                         if k != "meta"}}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=_json_default)
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return repr(o)

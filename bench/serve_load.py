@@ -1,0 +1,352 @@
+"""Load generator for `jax-msa-runner serve`: throughput, TTFT, inter-token latency, and the
+host overhead per engine step, at several client concurrencies.
+
+    python3 bench/serve_load.py --out DIR            (H200; JSON to DIR/serve_load.json)
+    python3 bench/serve_load.py --out DIR --transport engine   (no HTTP stack needed)
+
+``--transport http`` (default) starts the server as a subprocess
+(``python -m jax_msa_runner.serve_cli``, the tiny model, its log in DIR/server.log), waits
+for /health, and drives ``/v1/completions`` with streaming clients over httpx;
+``--transport engine`` builds the same runner and engine in this process and submits to
+``Engine.submit`` directly (no FastAPI / uvicorn / httpx: the engine's own latencies).
+
+For every concurrency C in ``--concurrency`` (default 1,16,64): C clients each send
+``--requests-per-client`` requests back to back (prompt of random token ids, length
+uniform in ``--prompt-len LO,HI``; ``--output-len`` tokens, greedy unless ``--temperature``
+> 0). Per level: requests/s, output tokens/s, TTFT and inter-token latency p50/p99 (the
+inter-token latency is the gap between successive streamed chunks divided by the tokens
+the later chunk carries), end-to-end latency p50/p99, and from the server's Prometheus
+histograms (differences over the level): engine steps, mean step latency, and the host
+overhead per step = the time the device waits between back-to-back steps (from one step's
+output reaching the host to the next step's launch: mean, and p50/p99 interpolated in the
+histogram buckets), also as a share of the level's wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, REPO)
+
+MODEL = "jax-msa-tiny"
+HOST_GAP = "jax_msa_step_host_gap_seconds"
+STEP = "jax_msa_step_latency_seconds"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for serve_load.json")
+    p.add_argument("--transport", choices=("http", "engine"), default="http")
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated client counts")
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--prompt-len", default="64,512", help="LO,HI prompt tokens (uniform)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=8731)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--attention-impl", choices=("pallas", "reference"), default=None)
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    args = p.parse_args(argv)
+    try:
+        args.levels = [int(c) for c in args.concurrency.split(",")]
+        lo, hi = (int(x) for x in args.prompt_len.split(","))
+    except ValueError:
+        p.error("--concurrency and --prompt-len take comma-separated integers")
+    if not args.levels or min(args.levels) < 1:
+        p.error(f"--concurrency: every level must be >= 1, got {args.concurrency}")
+    if not 1 <= lo <= hi or hi + args.output_len > args.max_model_len:
+        p.error(f"--prompt-len: need 1 <= LO <= HI and HI + --output-len <= --max-model-len "
+                f"({args.max_model_len}), got {lo},{hi} + {args.output_len}")
+    if args.requests_per_client < 1 or args.output_len < 1:
+        p.error("--requests-per-client and --output-len must be >= 1")
+    args.prompt_lo, args.prompt_hi = lo, hi
+    return args
+
+
+def server_flags(args) -> list[str]:
+    flags = ["--model-name", MODEL, "--max-model-len", str(args.max_model_len),
+             "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--max-queue", str(max(args.levels) * 2 + 16), "--seed", str(args.seed)]
+    if args.num_layers is not None:
+        flags += ["--num-layers", str(args.num_layers)]
+    if args.attention_impl is not None:
+        flags += ["--attention-impl", args.attention_impl]
+    return flags
+
+
+# ---- statistics -------------------------------------------------------------------------------
+
+def percentile(values, q):
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def parse_prometheus(text: str) -> dict:
+    """{'name{labels}': value} of every sample line."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def histogram(samples: dict, name: str) -> tuple[list[tuple[float, float]], float, float]:
+    """(cumulative [(le, count)], sum, count) of a histogram from parsed samples."""
+    buckets = []
+    for key, v in samples.items():
+        if key.startswith(name + "_bucket{le="):
+            le = key.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), v))
+    return sorted(buckets), samples.get(name + "_sum", 0.0), samples.get(name + "_count", 0.0)
+
+
+def histogram_delta(before: dict, after: dict, name: str):
+    b0, s0, c0 = histogram(before, name)
+    b1, s1, c1 = histogram(after, name)
+    prev = dict(b0)
+    return [(le, n - prev.get(le, 0.0)) for le, n in b1], s1 - s0, c1 - c0
+
+
+def histogram_quantile(buckets, q: float):
+    """Linear interpolation inside the bucket holding the q-quantile (q in [0, 1])."""
+    total = buckets[-1][1] if buckets else 0
+    if total <= 0:
+        return None
+    rank, lo_le, lo_n = q * total, 0.0, 0.0
+    for le, n in buckets:
+        if n >= rank:
+            if le == float("inf"):
+                return lo_le
+            return lo_le + (le - lo_le) * ((rank - lo_n) / max(n - lo_n, 1e-12))
+        lo_le, lo_n = le, n
+    return lo_le
+
+
+def ms(x):
+    return None if x is None else round(x * 1e3, 4)
+
+
+# ---- clients ----------------------------------------------------------------------------------
+
+class Record:
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.chunks: list[tuple[float, int]] = []  # (arrival time, tokens in the chunk)
+        self.end = None
+
+
+async def http_request(hc, prompt, args) -> Record:
+    rec = Record()
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": args.output_len,
+            "temperature": args.temperature, "stream": True, "return_token_ids": True,
+            "ignore_eos": True}
+    if args.temperature > 0:
+        body["seed"] = random.randrange(2**31)
+    async with hc.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            n = len(json.loads(line[6:])["choices"][0].get("token_ids", []))
+            if n:
+                rec.chunks.append((time.perf_counter(), n))
+    rec.end = time.perf_counter()
+    return rec
+
+
+async def engine_request(engine, prompt, args) -> Record:
+    from jax_msa_runner.serving.engine import GenerationParams
+
+    rec = Record()
+    seed = random.randrange(2**31) if args.temperature > 0 else None
+    stream = engine.submit(prompt, GenerationParams(max_tokens=args.output_len,
+                                                    temperature=args.temperature, seed=seed,
+                                                    ignore_eos=True))
+    async for ev in stream:
+        if ev.token_ids:
+            rec.chunks.append((time.perf_counter(), len(ev.token_ids)))
+    rec.end = time.perf_counter()
+    return rec
+
+
+async def run_level(send, concurrency, args, rng) -> tuple[list[Record], float]:
+    prompts = [[[rng.randrange(256) for _ in range(rng.randint(args.prompt_lo, args.prompt_hi))]
+                for _ in range(args.requests_per_client)] for _ in range(concurrency)]
+
+    async def client(mine):
+        return [await send(p) for p in mine]
+
+    t0 = time.perf_counter()
+    per_client = await asyncio.gather(*(client(m) for m in prompts))
+    return [r for recs in per_client for r in recs], time.perf_counter() - t0
+
+
+def summarize(concurrency, records, wall, before, after) -> dict:
+    ttft = [r.chunks[0][0] - r.start for r in records if r.chunks]
+    itl = []
+    for r in records:
+        for (t0, _), (t1, n) in zip(r.chunks, r.chunks[1:]):
+            itl.extend([(t1 - t0) / n] * n)
+    e2e = [r.end - r.start for r in records]
+    tokens = sum(n for r in records for _, n in r.chunks)
+    gap_b, gap_sum, gap_n = histogram_delta(before, after, HOST_GAP)
+    _, step_sum, step_n = histogram_delta(before, after, STEP)
+    return {
+        "concurrency": concurrency, "requests": len(records), "wall_s": round(wall, 4),
+        "requests_per_s": len(records) / wall, "output_tokens_per_s": tokens / wall,
+        "output_tokens": tokens,
+        "ttft_ms": {"p50": ms(percentile(ttft, 50)), "p99": ms(percentile(ttft, 99))},
+        "itl_ms": {"p50": ms(percentile(itl, 50)), "p99": ms(percentile(itl, 99))},
+        "e2e_ms": {"p50": ms(percentile(e2e, 50)), "p99": ms(percentile(e2e, 99))},
+        "engine_steps": int(step_n),
+        "step_ms_mean": ms(step_sum / step_n) if step_n else None,
+        "host_gap_ms": {"mean": ms(gap_sum / gap_n) if gap_n else None,
+                        "p50": ms(histogram_quantile(gap_b, 0.5)),
+                        "p99": ms(histogram_quantile(gap_b, 0.99)), "steps": int(gap_n)},
+        "host_gap_share_of_wall": gap_sum / wall,
+    }
+
+
+# ---- the two transports -----------------------------------------------------------------------
+
+async def bench_http(args, rng) -> list[dict]:
+    import httpx
+
+    log = open(os.path.join(args.out, "server.log"), "w")
+    cmd = [sys.executable, "-m", "jax_msa_runner.serve_cli", "--host", "127.0.0.1",
+           "--port", str(args.port), "--log-level", "warning"] + server_flags(args)
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0),
+                                     limits=httpx.Limits(max_connections=max(args.levels) + 8,
+                                                         max_keepalive_connections=max(args.levels) + 8)) as hc:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}; see server.log")
+                try:
+                    if (await hc.get("/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() - t0 > args.startup_timeout:
+                    raise RuntimeError("server did not become healthy; see server.log")
+                await asyncio.sleep(0.5)
+            print(f"server up after {time.monotonic() - t0:.1f}s: {' '.join(cmd)}", flush=True)
+
+            async def metrics():
+                return parse_prometheus((await hc.get("/metrics")).text)
+
+            await run_level(lambda p: http_request(hc, p, args), 2, args, rng)  # warm the path
+            levels = []
+            for c in args.levels:
+                before = await metrics()
+                recs, wall = await run_level(lambda p: http_request(hc, p, args), c, args, rng)
+                levels.append(summarize(c, recs, wall, before, await metrics()))
+                print(json.dumps(levels[-1]), flush=True)
+            return levels
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+async def bench_engine(args, rng) -> list[dict]:
+    from jax_msa_runner.config import ModelConfig, RunnerConfig, SchedulerConfig
+    from jax_msa_runner.serve_cli import add_serve_args, check_serve_args
+    from jax_msa_runner.serving.engine import Engine
+    from jax_msa_runner.serving.runner import ModelRunner
+    from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
+
+    sargs = add_serve_args(argparse.ArgumentParser()).parse_args(server_flags(args))
+    sizes, pages = check_serve_args(sargs)
+    layers = {} if args.num_layers is None else dict(
+        num_layers=args.num_layers, sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1))
+    mc = ModelConfig.tiny(**layers)
+    rc = RunnerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_model_len=args.max_model_len, bucket_sizes=sizes)
+    runner = ModelRunner(mc, rc, num_pages=pages, seed=args.seed, attention_impl=args.attention_impl)
+    rep = runner.warm_up()
+    print(f"warm-up {rep.compile_seconds:.1f}s, {len(rep.buckets)} buckets", flush=True)
+    engine = Engine(runner, SchedulerConfig.from_runner(rc, pages), ByteTokenizer(mc.vocab_size),
+                    max_queue=max(args.levels) * 2 + 16).start()
+    try:
+        def metrics():
+            return parse_prometheus(engine.metrics.render().decode())
+
+        await run_level(lambda p: engine_request(engine, p, args), 2, args, rng)
+        levels = []
+        for c in args.levels:
+            before = metrics()
+            recs, wall = await run_level(lambda p: engine_request(engine, p, args), c, args, rng)
+            levels.append(summarize(c, recs, wall, before, metrics()))
+            print(json.dumps(levels[-1]), flush=True)
+        return levels
+    finally:
+        engine.shutdown()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    rng = random.Random(args.seed)
+    random.seed(args.seed)
+    run = bench_http if args.transport == "http" else bench_engine
+    levels = asyncio.run(run(args, rng))
+    import jax
+
+    result = {
+        "bench": "serve_load", "transport": args.transport, "model": "tiny",
+        "config": {k: getattr(args, k) for k in ("max_model_len", "max_num_seqs",
+                                                 "max_num_batched_tokens", "num_layers",
+                                                 "attention_impl", "requests_per_client",
+                                                 "prompt_lo", "prompt_hi", "output_len",
+                                                 "temperature", "seed")},
+        "server_flags": server_flags(args),
+        "jax": jax.__version__, "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
+        "levels": levels,
+    }
+    path = os.path.join(args.out, "serve_load.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{'C':>4} {'req/s':>8} {'tok/s':>9} {'TTFT p50/p99 ms':>18} {'ITL p50/p99 ms':>16} "
+          f"{'steps':>6} {'step ms':>8} {'host gap ms mean/p50/p99':>26} {'gap share':>9}")
+    for lv in levels:
+        g = lv["host_gap_ms"]
+        print(f"{lv['concurrency']:>4} {lv['requests_per_s']:8.2f} {lv['output_tokens_per_s']:9.1f} "
+              f"{lv['ttft_ms']['p50']:>8.2f}/{lv['ttft_ms']['p99']:<9.2f} "
+              f"{lv['itl_ms']['p50']:>7.3f}/{lv['itl_ms']['p99']:<8.3f} {lv['engine_steps']:>6} "
+              f"{lv['step_ms_mean'] or 0:8.3f} {g['mean'] or 0:>8.3f}/{g['p50'] or 0:.3f}/"
+              f"{g['p99'] or 0:<8.3f} {lv['host_gap_share_of_wall']:9.3f}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

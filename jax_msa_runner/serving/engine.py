@@ -1,0 +1,438 @@
+"""The async engine: one thread owns the runner and the scheduler and steps them; asyncio
+callers submit requests and read their tokens as they are sampled.
+
+``Engine.submit`` (on an event loop) checks the request, puts it in the inbox and returns
+a ``RequestStream`` at once; the engine thread moves the inbox into the scheduler between
+steps (continuous batching: a request joins the running batch at the next step), runs
+``schedule -> runner.execute_step -> update``, turns each sampled token into text
+(``tokenizer_io.TextStream``: stop strings, held-back partial characters) and hands every
+request's new tokens to its stream through ``loop.call_soon_threadsafe``. Nothing on the
+event loop waits for the device.
+
+``abort(request_id)`` (any thread) removes the request at the next step boundary and frees
+its KV pages and penalty slot; a stream's owner calls it when its client goes away. The
+inbox is bounded: ``submit`` raises ``QueueFullError`` when ``max_queue`` requests already
+wait to run (inbox plus the scheduler's waiting queue).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import random
+import threading
+import time
+from typing import Sequence
+
+from jax_msa_runner.config import SchedulerConfig
+from jax_msa_runner.serving.metrics import ServerMetrics
+from jax_msa_runner.serving.runner import ModelRunner
+from jax_msa_runner.serving.sampling import (NUM_TOP_LOGPROBS, SamplingParamError, StepOutput,
+                                             check_sampling)
+from jax_msa_runner.serving.scheduler import (Request, RequestRejectedError, ScheduledBatch,
+                                              Scheduler, Status, check_request_fits)
+from jax_msa_runner.serving.tokenizer_io import TextStream, Tokenizer
+
+MAX_STOP_STRINGS = 16
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is full (``max_queue``)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (not started, stopped, or failed: ``Engine.error``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationParams:
+    """What to generate for one request (API names; ``check`` validates them).
+
+    logprobs: None for no logprobs, else N in [0, 20]: the chosen token's logprob and the
+    top N alternatives. stop: up to 16 non-empty strings (not part of the output);
+    stop_token_ids: ids that end the generation (their text is not part of the output);
+    seed None: a random one. ignore_eos: do not stop at the tokenizer's eos tokens.
+    """
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def check(self, vocab_size: int) -> None:
+        """Raises SamplingParamError naming the first field outside its bound."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise SamplingParamError("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise SamplingParamError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                       min_p=self.min_p, presence_penalty=self.presence_penalty,
+                       frequency_penalty=self.frequency_penalty,
+                       repetition_penalty=self.repetition_penalty,
+                       seed=0 if self.seed is None else self.seed, vocab_size=vocab_size)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamError("stop", f"at most {MAX_STOP_STRINGS} strings, got "
+                                             f"{len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise SamplingParamError("stop", f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise SamplingParamError("stop_token_ids", f"ids must be integers in "
+                                                           f"[0, {vocab_size}), got {t!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool)
+                                          or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= NUM_TOP_LOGPROBS):
+            raise SamplingParamError("logprobs", f"must be an integer in [0, {NUM_TOP_LOGPROBS}], "
+                                                 f"got {self.logprobs!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """The model's logprob of a generated token and the top alternatives [(id, logprob)]."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one step added to a request: new text, new token ids (with logprobs if asked),
+    and on the last output the finish reason ("stop", "length")."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+def make_request(request_id: int, prompt: Sequence[int], params: GenerationParams, *, seed: int,
+                 eos_token_ids: Sequence[int]) -> Request:
+    """The scheduler Request the engine serves for ``params``: the eos ids join the stop token
+    ids unless ``ignore_eos`` (stop strings and logprobs are the engine's business)."""
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    return Request(request_id, tuple(prompt), params.max_tokens, temperature=params.temperature,
+                   seed=seed, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                   presence_penalty=params.presence_penalty,
+                   frequency_penalty=params.frequency_penalty,
+                   repetition_penalty=params.repetition_penalty, stop_token_ids=frozenset(stops))
+
+
+class RequestStream:
+    """Async iterator over a request's ``RequestOutput``s, ending after the finished one.
+
+    ``request_id``; ``finished``; ``submitted_at`` (perf_counter). Raises EngineDeadError if
+    the engine fails while the request runs.
+    """
+
+    def __init__(self, request_id: int, num_prompt_tokens: int, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.loop = loop
+        self.finished = False
+        self.submitted_at = time.perf_counter()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finish_reason is not None:
+            self.finished = True
+        return item
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state after its latest loop iteration (published by the engine thread)."""
+
+    steps: int
+    waiting: int
+    running: int
+    pages_in_use: int
+    pages_usable: int
+    live_requests: int
+    preemptions: int
+
+
+@dataclasses.dataclass
+class _Live:
+    """Engine-thread state of one submitted request."""
+
+    request: Request
+    stream: RequestStream
+    params: GenerationParams
+    text: TextStream
+    new_ids: list[int] = dataclasses.field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    first_token: bool = True
+
+
+class Engine:
+    """Continuous batching behind an asyncio interface; ``start()`` launches the thread.
+
+    runner: a warmed-up ModelRunner (the engine thread is its only user from then on);
+    sconfig: the scheduler's limits within the runner's (max_num_seqs, token budget,
+    max_model_len, pages); max_queue >= 1: requests allowed to wait to run.
+    """
+
+    def __init__(self, runner: ModelRunner, sconfig: SchedulerConfig, tokenizer: Tokenizer, *,
+                 max_queue: int, metrics: ServerMetrics | None = None):
+        rc = runner.rconfig
+        for field, mine, limit in (("max_num_seqs", sconfig.max_num_seqs, rc.max_num_seqs),
+                                   ("max_num_batched_tokens", sconfig.max_num_batched_tokens,
+                                    rc.bucket_sizes[-1]),
+                                   ("max_model_len", sconfig.max_model_len, rc.max_model_len),
+                                   ("num_pages", sconfig.num_pages, runner.num_pages)):
+            if mine > limit:
+                raise ValueError(f"sconfig.{field}: {mine} exceeds the runner's {limit}")
+        if sconfig.dcp_world_size != rc.dcp_world_size:
+            raise ValueError(f"sconfig.dcp_world_size: {sconfig.dcp_world_size} differs from the "
+                             f"runner's {rc.dcp_world_size}")
+        if tokenizer.vocab_size != runner.mconfig.vocab_size:
+            raise ValueError(f"tokenizer.vocab_size: {tokenizer.vocab_size} differs from the "
+                             f"model's {runner.mconfig.vocab_size} (every id the model can "
+                             f"sample must decode)")
+        if max_queue < 1:
+            raise ValueError(f"max_queue: must be >= 1, got {max_queue}")
+        self.runner, self.tokenizer = runner, tokenizer
+        self.vocab_size = runner.mconfig.vocab_size
+        self.scheduler = Scheduler(sconfig)
+        self.max_queue = max_queue
+        self.metrics = metrics or ServerMetrics()
+        self.metrics.kv_pages_total.set(self.scheduler.allocator.num_usable)
+        self.error: BaseException | None = None
+        self._inbox: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._pending_adds = 0
+        self._num_waiting = 0
+        self._ids = itertools.count()
+        self._live: dict[int, _Live] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._rng = random.SystemRandom()
+        self._steps = 0
+        self.snapshot = self._make_snapshot()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is not None:
+            raise RuntimeError("Engine.start: already started")
+        self._thread = threading.Thread(target=self._loop, name="jax-msa-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # ---- the asyncio side ----------------------------------------------------------------
+    def check(self, prompt_ids: Sequence[int], params: GenerationParams) -> None:
+        """Raises SamplingParamError / RequestRejectedError (field set) for a request that is
+        invalid or can never be served."""
+        params.check(self.vocab_size)
+        for i, t in enumerate(prompt_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise RequestRejectedError(f"prompt[{i}] = {t!r}: token ids must be integers in "
+                                           f"[0, {self.vocab_size})", "prompt")
+        check_request_fits(self.scheduler.config, len(prompt_ids), params.max_tokens)
+
+    def submit(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestStream:
+        """Queue a request (call on the event loop that reads the stream)."""
+        loop = asyncio.get_running_loop()
+        self.check(prompt_ids, params)
+        if not self.alive:
+            raise EngineDeadError(f"engine is not running{f': {self.error!r}' if self.error else ''}")
+        with self._lock:
+            if self._pending_adds + self._num_waiting >= self.max_queue:
+                raise QueueFullError(f"{self._pending_adds + self._num_waiting} requests are "
+                                     f"waiting (max_queue={self.max_queue})")
+            rid = next(self._ids)
+            self._pending_adds += 1
+            stream = RequestStream(rid, len(prompt_ids), loop)
+            self._inbox.append(("add", stream, tuple(prompt_ids), params))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: int) -> None:
+        """Abort a request (no-op if it already finished); thread-safe, non-blocking."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        prev_ready = None  # output time of the previous step, if it ran back to back
+        try:
+            while not self._stop:
+                self._wake.clear()
+                self._drain_inbox()
+                if not self.scheduler.has_unfinished():
+                    self._publish()
+                    prev_ready = None
+                    self._wake.wait(0.5)
+                    continue
+                self._step(prev_ready)
+                prev_ready = self.runner.last_ready
+                self._publish()
+        except BaseException as e:  # noqa: BLE001 -- reported to every waiting stream
+            self.error = e
+            self._fail_all(EngineDeadError(f"engine failed: {e!r}"))
+            raise
+        self._fail_all(EngineDeadError("engine shut down"))
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for item in items:
+            if item[0] == "add":
+                _, stream, prompt, params = item
+                self._admit(stream, prompt, params)
+                with self._lock:
+                    self._pending_adds -= 1
+            else:
+                self._abort(item[1])
+        with self._lock:
+            self._num_waiting = len(self.scheduler.waiting)
+
+    def _admit(self, stream: RequestStream, prompt: tuple[int, ...], params: GenerationParams):
+        seed = self._rng.randrange(0, 2**31) if params.seed is None else params.seed
+        req = make_request(stream.request_id, prompt, params, seed=seed,
+                           eos_token_ids=self.tokenizer.eos_token_ids)
+        try:
+            self.scheduler.add_request(req)
+        except RequestRejectedError as e:  # checked at submit; a guard only
+            self._send([(stream, e)])
+            return
+        self._live[req.request_id] = _Live(req, stream, params,
+                                           TextStream(self.tokenizer, params.stop))
+        self.metrics.prompt_tokens.inc(len(prompt))
+
+    def _abort(self, request_id: int) -> None:
+        if self._live.pop(request_id, None) is None:
+            return  # finished already
+        self.scheduler.abort(request_id)
+        self.metrics.requests.labels(outcome="abort").inc()
+
+    def _step(self, prev_ready: float | None) -> None:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch.preempted:
+            self.metrics.preemptions.inc(len(batch.preempted))
+        out = self.runner.execute_step(batch)
+        if prev_ready is not None:
+            self.metrics.host_gap.observe(max(0.0, self.runner.last_launch - prev_ready))
+        self.scheduler.update(batch, out.tokens)
+        deliveries = self._outputs(batch, out)
+        self._steps += 1
+        self.metrics.step_latency.observe(time.perf_counter() - t0)
+        self._send(deliveries)
+
+    def _outputs(self, batch: ScheduledBatch, out: StepOutput) -> list:
+        deliveries = []
+        now = time.perf_counter()
+        generated = 0
+        for row, req in enumerate(batch.requests):
+            if not batch.sample[row]:
+                continue
+            live = self._live[req.request_id]
+            generated += 1
+            tok = int(out.tokens[row])
+            if live.first_token:
+                live.first_token = False
+                self.metrics.ttft.observe(now - live.stream.submitted_at)
+            live.new_ids.append(tok)
+            n = live.params.logprobs
+            if n is not None:
+                top = tuple((int(i), float(v)) for i, v in
+                            zip(out.top_ids[row, :n], out.top_logprobs[row, :n]))
+                live.new_logprobs.append(TokenLogprob(tok, float(out.logprobs[row]), top))
+            done = req.status is Status.FINISHED
+            hit = live.text.push(tok, visible=not (done and req.finish_reason == "stop"))
+            reason = None
+            if hit:
+                reason = "stop"
+                if done:
+                    self.scheduler.pop_finished(req.request_id)
+                else:
+                    self.scheduler.abort(req.request_id)
+            elif done:
+                reason = req.finish_reason
+                self.scheduler.pop_finished(req.request_id)
+            if reason is not None:
+                live.text.finish()
+                del self._live[req.request_id]
+                self.metrics.requests.labels(outcome=reason).inc()
+            text = live.text.take(final=reason is not None)
+            deliveries.append((live.stream, RequestOutput(
+                text=text, token_ids=tuple(live.new_ids),
+                logprobs=tuple(live.new_logprobs) if n is not None else None,
+                finish_reason=reason, num_prompt_tokens=len(req.prompt),
+                num_output_tokens=len(req.output))))
+            live.new_ids, live.new_logprobs = [], []
+        self.metrics.generation_tokens.inc(generated)
+        return deliveries
+
+    def _send(self, deliveries: list) -> None:
+        by_loop: dict = {}
+        for stream, item in deliveries:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is reading
+                pass
+
+    def _fail_all(self, err: BaseException) -> None:
+        self._send([(live.stream, err) for live in self._live.values()])
+        with self._lock:
+            pending = [item[1] for item in self._inbox if item[0] == "add"]
+            self._inbox.clear()
+        self._send([(stream, err) for stream in pending])
+        self._live.clear()
+
+    def _make_snapshot(self) -> EngineSnapshot:
+        s = self.scheduler
+        return EngineSnapshot(steps=self._steps, waiting=len(s.waiting), running=len(s.running),
+                              pages_in_use=s.num_pages_in_use, pages_usable=s.allocator.num_usable,
+                              live_requests=len(self._live), preemptions=s.num_preemptions)
+
+    def _publish(self) -> None:
+        snap = self.snapshot = self._make_snapshot()
+        with self._lock:
+            self._num_waiting = snap.waiting
+        self.metrics.queue_depth.set(snap.waiting + self._pending_adds)
+        self.metrics.running.set(snap.running)
+        self.metrics.kv_pages_in_use.set(snap.pages_in_use)
+
+
+def _deliver(items) -> None:
+    for stream, item in items:
+        stream._queue.put_nowait(item)

@@ -1,0 +1,51 @@
+"""The server's Prometheus metrics, in a registry of their own (one per engine).
+
+Counters: ``jax_msa_requests_total{outcome}`` (outcome: stop, length, abort, rejected,
+overloaded, error: an internal error), ``jax_msa_prompt_tokens_total``, ``jax_msa_generation_tokens_total``,
+``jax_msa_preemptions_total``. Gauges: ``jax_msa_queue_depth`` (requests waiting to run),
+``jax_msa_running_requests``, ``jax_msa_kv_pages_in_use``, ``jax_msa_kv_pages_total``.
+Histograms (seconds): ``jax_msa_step_latency_seconds`` (schedule + step + update),
+``jax_msa_step_host_gap_seconds`` (device idle between back-to-back steps: from one step's
+output reaching the host to the next step's launch), ``jax_msa_time_to_first_token_seconds``.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+OUTCOMES = ("stop", "length", "abort", "rejected", "overloaded", "error")
+_LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 5.0, 10.0)
+_TTFT_BUCKETS = (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """All metrics of one engine; ``render()`` is the /metrics body (text format)."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("jax_msa_requests", "Requests by outcome", ["outcome"], registry=r)
+        for o in OUTCOMES:
+            self.requests.labels(outcome=o)
+        self.prompt_tokens = Counter("jax_msa_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("jax_msa_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.preemptions = Counter("jax_msa_preemptions", "Requests preempted (recompute)",
+                                   registry=r)
+        self.queue_depth = Gauge("jax_msa_queue_depth", "Requests waiting to run", registry=r)
+        self.running = Gauge("jax_msa_running_requests", "Requests running", registry=r)
+        self.kv_pages_in_use = Gauge("jax_msa_kv_pages_in_use", "KV pages held by requests",
+                                     registry=r)
+        self.kv_pages_total = Gauge("jax_msa_kv_pages_total", "KV pages requests can hold",
+                                    registry=r)
+        self.step_latency = Histogram("jax_msa_step_latency_seconds",
+                                      "Engine step: schedule, device step, update",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.host_gap = Histogram("jax_msa_step_host_gap_seconds",
+                                  "Device idle between back-to-back steps", buckets=_LATENCY_BUCKETS,
+                                  registry=r)
+        self.ttft = Histogram("jax_msa_time_to_first_token_seconds",
+                              "Submission to first generated token", buckets=_TTFT_BUCKETS,
+                              registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,336 @@
+"""The OpenAI API's request and response bodies: parsing with field-named errors, and the
+JSON of completions, chat completions and their streamed chunks.
+
+Errors are ``APIError``s whose ``body()`` is ``{"error": {"message", "type", "param",
+"code"}}``. Requests are parsed by hand so every bad field is named: the model, the prompt
+(a string or a list of token ids, or a batch of exactly one of either) or the messages,
+the sampling fields, ``stream`` / ``stream_options``. Accepted beyond the OpenAI fields
+(as vLLM does): ``top_k`` (0 or -1: off), ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``, and ``return_token_ids`` (adds ``token_ids`` to each
+choice or chunk). Not supported, and rejected when set to anything but their default: ``n``
+and ``best_of`` other than 1, ``echo``, ``suffix``, ``logit_bias``, tools, functions and
+``response_format``. Unknown fields are ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Sequence
+
+from jax_msa_runner.serving.engine import GenerationParams, TokenLogprob
+from jax_msa_runner.serving.tokenizer_io import CHAT_ROLES, Tokenizer
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (status, message, type,
+                                                                       param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(param: str | None, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param}: {message}" if param else message, param=param, code=code)
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 naming the problem."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(None, f"request body is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(None, f"request body must be a JSON object, got {type(body).__name__}",
+                          "invalid_json")
+    return body
+
+
+# ---- field readers ----------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _number(body: dict, name: str, default):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad_request(name, f"must be a number, got {json.dumps(v)}", "invalid_type")
+    return v
+
+
+def _integer(body: dict, name: str, default):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(name, f"must be an integer, got {json.dumps(v)}", "invalid_type")
+    return v
+
+
+def _boolean(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(name, f"must be true or false, got {json.dumps(v)}", "invalid_type")
+    return v
+
+
+def _reject_unsupported(body: dict, names: Sequence[str]) -> None:
+    checks = {"n": lambda v: v == 1, "best_of": lambda v: v == 1, "echo": lambda v: v is False,
+              "logit_bias": lambda v: v == {}}  # the others: any value but null is rejected
+    for name in names:
+        v = body.get(name)
+        if v is None:
+            continue
+        ok = checks.get(name)
+        if ok is None or not ok(v):
+            raise bad_request(name, f"is not supported by this server (got {json.dumps(v)})",
+                              "unsupported_parameter")
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    """A validated request before tokenization.
+
+    Exactly one of prompt_text / prompt_ids is set. max_tokens None: the default of the
+    endpoint once the prompt length is known. ``fields`` maps generation-parameter names to
+    the API field that set them (for error messages).
+    """
+
+    chat: bool
+    prompt_text: str | None
+    prompt_ids: list[int] | None
+    max_tokens: int | None
+    sampling: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    logprobs: int | None
+    fields: dict[str, str]
+
+    def params(self, max_tokens: int) -> GenerationParams:
+        return GenerationParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+
+
+def check_model(body: dict, model_name: str) -> None:
+    model = body.get("model", _MISSING)
+    if model is _MISSING or model is None:
+        raise bad_request("model", "is required", "missing_required_parameter")
+    if model != model_name:
+        raise APIError(400, f"model: the model {json.dumps(model)} does not exist; this server "
+                            f"serves {json.dumps(model_name)}", param="model",
+                       code="model_not_found")
+
+
+def _sampling_fields(body: dict) -> dict[str, Any]:
+    top_k = _integer(body, "top_k", 0)
+    if top_k == -1:
+        top_k = 0  # vLLM's "off"
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+    else:
+        raise bad_request("stop", f"must be a string or a list of strings, got {json.dumps(stop)}",
+                          "invalid_type")
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        ids = ()
+    elif not isinstance(ids, list):
+        raise bad_request("stop_token_ids", "must be a list of token ids", "invalid_type")
+    return dict(temperature=_number(body, "temperature", 1.0), top_k=top_k,
+                top_p=_number(body, "top_p", 1.0), min_p=_number(body, "min_p", 0.0),
+                seed=_integer(body, "seed", None),
+                presence_penalty=_number(body, "presence_penalty", 0.0),
+                frequency_penalty=_number(body, "frequency_penalty", 0.0),
+                repetition_penalty=_number(body, "repetition_penalty", 1.0), stop=stop,
+                stop_token_ids=tuple(ids), ignore_eos=_boolean(body, "ignore_eos", False))
+
+
+def _stream_fields(body: dict) -> tuple[bool, bool]:
+    stream = _boolean(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options", "is only allowed when stream is true")
+    if not isinstance(opts, dict):
+        raise bad_request("stream_options", "must be an object", "invalid_type")
+    return stream, _boolean(opts, "include_usage", False)
+
+
+def _token_ids(value) -> list[int] | None:
+    """value as a list of ints, or None when it is not one."""
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                       for t in value):
+        return list(value)
+    return None
+
+
+def parse_completion(body: dict, model_name: str) -> ParsedRequest:
+    """/v1/completions: prompt (string, token ids, or a batch of one), max_tokens (16)."""
+    check_model(body, model_name)
+    _reject_unsupported(body, ("n", "best_of", "echo", "suffix", "logit_bias"))
+    prompt = body.get("prompt", _MISSING)
+    if prompt is _MISSING or prompt is None:
+        raise bad_request("prompt", "is required", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    text = ids = None
+    if isinstance(prompt, str):
+        text = prompt
+        if not text:
+            raise bad_request("prompt", "must not be empty")
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise bad_request("prompt", "must not be empty")
+        if all(isinstance(p, (str, list)) for p in prompt):
+            raise bad_request("prompt", f"batches of {len(prompt)} prompts are not supported; "
+                                        f"send one prompt per request", "unsupported_parameter")
+        ids = _token_ids(prompt)
+        if ids is None:
+            raise bad_request("prompt", "a token-id prompt must be a list of integers",
+                              "invalid_type")
+    else:
+        raise bad_request("prompt", f"must be a string or a list of token ids, got "
+                                    f"{type(prompt).__name__}", "invalid_type")
+    logprobs = _integer(body, "logprobs", None)
+    stream, include_usage = _stream_fields(body)
+    return ParsedRequest(chat=False, prompt_text=text, prompt_ids=ids,
+                         max_tokens=_integer(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS),
+                         sampling=_sampling_fields(body), stream=stream,
+                         include_usage=include_usage,
+                         return_token_ids=_boolean(body, "return_token_ids", False),
+                         logprobs=logprobs, fields={"prompt": "prompt", "max_tokens": "max_tokens",
+                                                    "logprobs": "logprobs"})
+
+
+def _message_text(msg: Any, i: int) -> tuple[str, str]:
+    param = f"messages[{i}]"
+    if not isinstance(msg, dict):
+        raise bad_request(param, "must be an object with role and content", "invalid_type")
+    role = msg.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"{param}.role", f"must be one of {list(CHAT_ROLES)}, got "
+                                           f"{json.dumps(role)}")
+    content = msg.get("content")
+    if isinstance(content, list):  # content parts: only text
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise bad_request(f"{param}.content[{j}]", "only text parts "
+                                  '({"type": "text", "text": ...}) are supported', "invalid_type")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise bad_request(f"{param}.content", "must be a string or a list of text parts",
+                          "invalid_type")
+    return role, content
+
+
+def parse_chat(body: dict, model_name: str, tokenizer: Tokenizer) -> ParsedRequest:
+    """/v1/chat/completions: messages through the tokenizer's chat template; max_tokens (or
+    max_completion_tokens) defaults to what max_model_len leaves after the prompt."""
+    check_model(body, model_name)
+    _reject_unsupported(body, ("n", "logit_bias", "tools", "functions", "tool_choice",
+                               "function_call", "response_format"))
+    messages = body.get("messages", _MISSING)
+    if messages is _MISSING or messages is None:
+        raise bad_request("messages", "is required", "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages", "must be a non-empty list of messages")
+    msgs = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(msgs)
+    except ValueError as e:
+        raise bad_request("messages", f"cannot apply the chat template: {e}") from None
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, field, None)
+    want = _boolean(body, "logprobs", False)
+    top = _integer(body, "top_logprobs", None)
+    if top is not None and not want:
+        raise bad_request("top_logprobs", "requires logprobs to be true")
+    stream, include_usage = _stream_fields(body)
+    return ParsedRequest(chat=True, prompt_text=text, prompt_ids=None, max_tokens=max_tokens,
+                         sampling=_sampling_fields(body), stream=stream,
+                         include_usage=include_usage,
+                         return_token_ids=_boolean(body, "return_token_ids", False),
+                         logprobs=(top or 0) if want else None,
+                         fields={"prompt": "messages", "max_tokens": field,
+                                 "logprobs": "top_logprobs"})
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+def usage(num_prompt: int, num_output: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+            "total_tokens": num_prompt + num_output}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer,
+                        offsets: Sequence[int]) -> dict:
+    """The legacy completions logprobs object (keys are ``tokenizer.token_str`` pieces;
+    ``text_offset``: the output text's length when the token's step was delivered)."""
+    return {"tokens": [tokenizer.token_str(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{tokenizer.token_str(i): lp for i, lp in e.top} for e in entries],
+            "text_offset": list(offsets)}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer) -> dict:
+    def item(i, lp):
+        s = tokenizer.token_str(i)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**item(e.token_id, e.logprob),
+                         "top_logprobs": [item(i, lp) for i, lp in e.top]} for e in entries]}
+
+
+def completion_choice(text: str, finish_reason: str | None, logprobs: dict | None,
+                      token_ids: Sequence[int] | None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return choice
+
+
+def chat_choice(text: str | None, finish_reason: str | None, logprobs: dict | None,
+                token_ids: Sequence[int] | None, *, delta: bool, first: bool = False) -> dict:
+    if delta:
+        msg = {"role": "assistant", "content": text or ""} if first else (
+            {"content": text} if text else {})
+        choice = {"index": 0, "delta": msg}
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+    choice.update(logprobs=logprobs, finish_reason=finish_reason)
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return choice
+
+
+def envelope(request_id: str, created: int, model: str, *, chat: bool, chunk: bool,
+             choices: list, usage_body: dict | None) -> dict:
+    obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    body = {"id": request_id, "object": obj, "created": created, "model": model,
+            "choices": choices}
+    if usage_body is not None:
+        body["usage"] = usage_body
+    return body

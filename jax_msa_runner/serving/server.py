@@ -1,0 +1,263 @@
+"""The HTTP server: FastAPI routes over an ``Engine`` (OpenAI-compatible).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent
+events with ``"stream": true``: one ``data:`` line per chunk, ``data: [DONE]`` last),
+``GET /v1/models``, ``GET /health`` (503 once the engine thread has died), ``GET /metrics``
+(Prometheus text). A bad request gets a 400 with an OpenAI-style error body naming the
+field; a full queue a 503. A client that disconnects (mid-stream, or while waiting for a
+non-streamed answer) has its request aborted, which frees its KV pages.
+
+``ServerThread`` runs uvicorn on an already bound socket in a background thread (tests,
+benchmarks); ``jax-msa-runner serve`` runs it in the foreground.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jax_msa_runner.serving.engine import (Engine, EngineDeadError, QueueFullError,
+                                           RequestStream)
+from jax_msa_runner.serving.openai_protocol import (APIError, ParsedRequest, bad_request,
+                                                    chat_choice, chat_logprobs, completion_choice,
+                                                    completion_logprobs, envelope, parse_chat,
+                                                    parse_completion, parse_json_object, usage)
+from jax_msa_runner.serving.sampling import SamplingParamError
+from jax_msa_runner.serving.scheduler import RequestRejectedError
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the request body is already read, so the server's
+    next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.1)  # not expected; never spin
+
+
+def build_app(engine: Engine, *, model_name: str) -> FastAPI:
+    """The FastAPI app serving ``engine`` under the model name ``model_name``."""
+    app = FastAPI(title="jax-msa-runner", docs_url=None, redoc_url=None)
+    created = int(time.time())
+    tokenizer = engine.tokenizer
+    max_model_len = engine.scheduler.config.max_model_len
+    metrics = engine.metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        outcome = "overloaded" if e.status == 503 else "rejected" if e.status < 500 else None
+        if outcome:
+            metrics.requests.labels(outcome=outcome).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception):
+        metrics.requests.labels(outcome="error").inc()
+        return JSONResponse(APIError(500, f"internal error: {e!r}", type="server_error",
+                                     code="internal_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            raise APIError(503, f"engine is not running: {engine.error!r}", type="server_error",
+                           code="engine_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "jax-msa-runner",
+                                            "max_model_len": max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def submit(parsed: ParsedRequest) -> RequestStream:
+        ids = parsed.prompt_ids
+        if ids is None:
+            ids = await asyncio.to_thread(tokenizer.encode, parsed.prompt_text)
+        max_tokens = parsed.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, max_model_len - len(ids))
+        try:
+            return engine.submit(ids, parsed.params(max_tokens))
+        except (SamplingParamError, RequestRejectedError) as e:
+            field = {"max_new_tokens": "max_tokens"}.get(e.field, e.field)
+            param = parsed.fields.get(field, field)
+            msg = str(e).removeprefix(f"{e.field}: ").replace("max_new_tokens", param)
+            raise bad_request(param, msg) from None
+        except QueueFullError as e:
+            raise APIError(503, f"server overloaded: {e}; retry later", type="server_error",
+                           code="queue_full") from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+
+    async def generate(request: Request, chat: bool):
+        body = parse_json_object(await request.body())
+        parsed = parse_chat(body, model_name, tokenizer) if chat else parse_completion(body,
+                                                                                       model_name)
+        stream = await submit(parsed)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if parsed.stream:
+            return _EventStream(_stream_events(engine, stream, parsed, rid, created_now(),
+                                               model_name), engine, stream)
+        collect = asyncio.ensure_future(_collect(stream, parsed, rid, created_now(), model_name,
+                                                 tokenizer))
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():
+                collect.cancel()
+                engine.abort(stream.request_id)
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(collect.result())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+def created_now() -> int:
+    return int(time.time())
+
+
+async def _collect(stream: RequestStream, parsed: ParsedRequest, rid: str, created: int,
+                   model: str, tokenizer) -> dict:
+    """The non-streamed response body of a request (waits for it to finish)."""
+    text, ids, entries, offsets = [], [], [], []
+    length = 0
+    reason, n_prompt, n_out = None, stream.num_prompt_tokens, 0
+    try:
+        async for ev in stream:
+            if ev.logprobs is not None:
+                entries.extend(ev.logprobs)
+                offsets.extend([length] * len(ev.logprobs))
+            text.append(ev.text)
+            length += len(ev.text)
+            ids.extend(ev.token_ids)
+            reason, n_out = ev.finish_reason, ev.num_output_tokens
+    except EngineDeadError as e:
+        raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+    token_ids = ids if parsed.return_token_ids else None
+    out = "".join(text)
+    if parsed.chat:
+        lp = chat_logprobs(entries, tokenizer) if parsed.logprobs is not None else None
+        choice = chat_choice(out, reason, lp, token_ids, delta=False)
+    else:
+        lp = completion_logprobs(entries, tokenizer, offsets) if parsed.logprobs is not None else None
+        choice = completion_choice(out, reason, lp, token_ids)
+    return envelope(rid, created, model, chat=parsed.chat, chunk=False, choices=[choice],
+                    usage_body=usage(n_prompt, n_out))
+
+
+async def _stream_events(engine: Engine, stream: RequestStream, parsed: ParsedRequest, rid: str,
+                         created: int, model: str):
+    """Server-sent events of one request (``_EventStream`` aborts it if they stop early)."""
+    tok = engine.tokenizer
+    chat = parsed.chat
+    length, n_out = 0, 0
+
+    def chunk(choice, usage_body=None):
+        return _sse(envelope(rid, created, model, chat=chat, chunk=True,
+                             choices=[] if choice is None else [choice], usage_body=usage_body))
+
+    try:
+        if chat:
+            yield chunk(chat_choice("", None, None, [] if parsed.return_token_ids else None,
+                                    delta=True, first=True))
+        async for ev in stream:
+            n_out = ev.num_output_tokens
+            if not ev.text and ev.finish_reason is None and not parsed.return_token_ids \
+                    and parsed.logprobs is None:
+                continue
+            ids = ev.token_ids if parsed.return_token_ids else None
+            if chat:
+                lp = chat_logprobs(ev.logprobs, tok) if ev.logprobs is not None else None
+                yield chunk(chat_choice(ev.text, ev.finish_reason, lp, ids, delta=True))
+            else:
+                lp = (completion_logprobs(ev.logprobs, tok, [length] * len(ev.logprobs))
+                      if ev.logprobs is not None else None)
+                yield chunk(completion_choice(ev.text, ev.finish_reason, lp, ids))
+            length += len(ev.text)
+        if parsed.include_usage:
+            yield chunk(None, usage(stream.num_prompt_tokens, n_out))
+        yield "data: [DONE]\n\n"
+    except EngineDeadError as e:
+        yield _sse(APIError(503, str(e), type="server_error", code="engine_unavailable").body())
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that abort their request however the response ends (finished,
+    client gone, cancelled), unless it finished."""
+
+    def __init__(self, events, engine: Engine, stream: RequestStream):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._engine, self._stream = engine, stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._stream.finished:
+                self._engine.abort(self._stream.request_id)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 picks a free one."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on a bound socket in a daemon thread.
+
+    ``url`` is the base URL (``http://host:port``); ``stop()`` shuts uvicorn down.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning"):
+        self.sock = bind_socket(host, port)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                        name="uvicorn", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self._thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"uvicorn did not start on {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self.sock.close()
