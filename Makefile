@@ -37,7 +37,7 @@ $(VLLM_OPS)/MANIFEST.json: tools/vllm_compare/vllm_ops.py | $(VLLM_VENV)/.instal
 	$(VLLM_VENV)/bin/python tools/vllm_compare/vllm_ops.py --wheel $(WHEEL_CACHE) --out $(VLLM_OPS)
 
 # transformers 5.23.0 for the parity tests of tests/hf (same venv, its CPU torch).
-$(VLLM_VENV)/.hf-installed: tools/hf_reference/requirements.txt | $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.hf-installed: tools/hf_reference/requirements.txt $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/pip install -q -r tools/hf_reference/requirements.txt
 	touch $@
 
