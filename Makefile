@@ -36,7 +36,12 @@ $(VLLM_OPS)/MANIFEST.json: tools/vllm_compare/vllm_ops.py | $(VLLM_VENV)/.instal
 	  $(VLLM_VENV)/bin/pip download -q --no-deps vllm==0.33.0 -d $(WHEEL_CACHE)
 	$(VLLM_VENV)/bin/python tools/vllm_compare/vllm_ops.py --wheel $(WHEEL_CACHE) --out $(VLLM_OPS)
 
-compare-env: $(VLLM_VENV)/.installed $(VLLM_OPS)/MANIFEST.json
+# transformers 5.23.0 for the parity tests of tests/hf (same venv, its CPU torch).
+$(VLLM_VENV)/.hf-installed: tools/hf_reference/requirements.txt $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pip install -q -r tools/hf_reference/requirements.txt
+	touch $@
+
+compare-env: $(VLLM_VENV)/.installed $(VLLM_OPS)/MANIFEST.json $(VLLM_VENV)/.hf-installed
 
 compare: install compare-env
 	$(VENV)/bin/python -m tools.vllm_compare.compare --negative-control

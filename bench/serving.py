@@ -54,7 +54,8 @@ def bench_config(layers: int, index_cache_dtype: str = "bfloat16") -> ModelConfi
     return ModelConfig(vocab_size=32768, hidden_size=6144, num_layers=layers, num_heads=16,
                        num_kv_heads=1, head_dim=128, rotary_dim=64, rope_theta=5e6,
                        intermediate_size=3072, num_index_heads=1, index_dim=128,
-                       sparse_attention_freq=(1,) * layers, dtype="bfloat16",
+                       sparse_attention_freq=(1,) * layers, moe_layer_freq=(0,) * layers,
+                       dtype="bfloat16",
                        index_cache_dtype=index_cache_dtype)
 
 

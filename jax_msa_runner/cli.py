@@ -89,7 +89,9 @@ def build_parser() -> tuple[FlagParser, dict[str, FlagParser]]:
                          help="timed stagings per (bucket, kind) after the first (>= 1)")
     serve = add_serve_args(sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (tiny model)"))
-    return parser, {"demo": demo, "buckets": buckets, "serve": serve}
+    from jax_msa_runner.logits import add_logits_args
+    logits = add_logits_args(sub.add_parser("logits", help="full-prompt logits of a checkpoint"))
+    return parser, {"demo": demo, "buckets": buckets, "serve": serve, "logits": logits}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,12 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.error("a command is required: demo, serve or buckets")
+        parser.error("a command is required: demo, serve, buckets or logits")
     if args.command == "demo":
         return run_demo_command(commands["demo"], args)
     if args.command == "serve":
         from jax_msa_runner.serve_cli import run_serve
         return run_serve(args)
+    if args.command == "logits":
+        from jax_msa_runner.logits import run_logits
+        return run_logits(args)
     return run_buckets(args)
 
 

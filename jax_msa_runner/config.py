@@ -58,6 +58,15 @@ class ModelConfig:
     local_blocks: int = 1
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # MoE MLP on the layers with moe_layer_freq[i] == 1 (None: exactly the MSA layers, as in
+    # the released model); other layers use a dense MLP of intermediate_size.
+    moe_layer_freq: tuple[int, ...] | None = None
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128  # per routed expert
+    shared_intermediate_size: int = 128  # the one ungated shared expert; 0 = none
+    routed_scaling_factor: float = 2.0
+    use_routing_bias: bool = True  # e_score_correction_bias, added for choosing experts only
     tie_word_embeddings: bool = False
     dtype: str = "float32"
     # index-K cache: "auto" (= dtype, the default), dtype's own name, or "float8_e4m3fn"
@@ -66,12 +75,25 @@ class ModelConfig:
     def __post_init__(self):
         object.__setattr__(self, "sparse_attention_freq",
                            tuple(int(bool(f)) for f in self.sparse_attention_freq))
+        moe = self.sparse_attention_freq if self.moe_layer_freq is None else self.moe_layer_freq
+        object.__setattr__(self, "moe_layer_freq", tuple(int(bool(f)) for f in moe))
 
         require(len(self.sparse_attention_freq) == self.num_layers, "sparse_attention_freq",
             f"needs one entry per layer ({self.num_layers}), got {len(self.sparse_attention_freq)}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "intermediate_size", "num_index_heads", "index_dim"):
             require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        require(len(self.moe_layer_freq) == self.num_layers, "moe_layer_freq",
+            f"needs one entry per layer ({self.num_layers}), got {len(self.moe_layer_freq)}")
+        if any(self.moe_layer_freq):
+            for name in ("num_experts", "moe_intermediate_size"):
+                require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+            require(1 <= self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                    f"must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}")
+            require(self.shared_intermediate_size >= 0, "shared_intermediate_size",
+                    f"must be >= 0 (0: no shared expert), got {self.shared_intermediate_size}")
+            require(math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0,
+                    "routed_scaling_factor", f"must be finite and > 0, got {self.routed_scaling_factor}")
         require(self.num_heads % self.num_kv_heads == 0, "num_heads",
             f"must be a multiple of num_kv_heads={self.num_kv_heads}")
         require(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim, "rotary_dim",
@@ -95,6 +117,10 @@ class ModelConfig:
     @property
     def layer_is_msa(self) -> tuple[bool, ...]:
         return tuple(bool(f) for f in self.sparse_attention_freq)
+
+    @property
+    def layer_is_moe(self) -> tuple[bool, ...]:
+        return tuple(bool(f) for f in self.moe_layer_freq)
 
     @property
     def jnp_dtype(self):
@@ -127,35 +153,45 @@ class ModelConfig:
     # ---- constructors ----------------------------------------------------------------------
     @classmethod
     def tiny(cls, **overrides) -> "ModelConfig":
-        """Built-in small default: 4 layers (1 dense + 3 MSA), 16 q / 1 kv heads of dim 128,
-        index dim 64 (the released model: 128; smaller keeps the CPU demo quick)."""
-        return dataclasses.replace(cls(), **overrides)
+        """Built-in small default: 4 layers (1 dense attention + dense MLP, 3 MSA + MoE of 8
+        experts, top 2, one shared expert), 16 q / 1 kv heads of dim 128, index dim 64 (the
+        released model: 128; smaller keeps the CPU demo quick). Without a ``moe_layer_freq``
+        override, the MoE layers are the MSA layers."""
+        return dataclasses.replace(cls(), **{"moe_layer_freq": None, **overrides})
 
     @classmethod
     def from_hf_config(cls, path_or_dict: str | os.PathLike | Mapping[str, Any], *,
                        num_layers: int | None = None, dtype: str = "bfloat16") -> "ModelConfig":
-        """Build from a MiniMax-M3-style ``config.json`` (a path, its directory, or a dict).
+        """Build from a MiniMax-M3 ``config.json`` (a path, its directory, or a dict).
 
-        Reads the released field names: ``hidden_size``, ``num_hidden_layers``,
-        ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``rotary_dim``,
-        ``rope_theta`` (or ``rope_parameters.rope_theta``), ``rms_norm_eps``, ``vocab_size``,
-        ``dense_intermediate_size`` (else ``intermediate_size``), ``swiglu_alpha``,
-        ``swiglu_limit``, ``tie_word_embeddings`` and ``sparse_attention_config`` with
-        ``sparse_attention_freq``, ``sparse_num_index_heads``, ``sparse_index_dim``,
-        ``sparse_block_size``, ``sparse_topk_blocks``, ``sparse_init_block``,
-        ``sparse_local_block``, ``sparse_score_type``. A VL config's ``text_config`` is used.
-        ``num_layers`` truncates the stack (keeping the freq pattern of the first layers).
+        A VL config's ``text_config`` is used. Two field-name schemes are read:
+        - released (legacy): ``sparse_attention_config`` {``sparse_attention_freq``,
+          ``sparse_num_index_heads``, ``sparse_index_dim``, ``sparse_block_size``,
+          ``sparse_topk_blocks``, ``sparse_init_block``, ``sparse_local_block``,
+          ``sparse_score_type``, ``use_sparse_attention``}, ``moe_layer_freq``,
+          ``rotary_dim``, ``rope_theta``, ``n_shared_experts``, ``scoring_func``,
+          ``use_routing_bias``;
+        - transformers': ``layer_types`` ("full_attention" / "minimax_m3_sparse"),
+          ``mlp_layer_types`` ("dense" / "sparse"), ``index_n_heads``, ``index_head_dim``,
+          ``index_block_size``, ``index_topk_blocks``, ``index_local_blocks``,
+          ``rope_parameters`` {``rope_theta``, ``partial_rotary_factor``}.
+        Common: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+        ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``vocab_size``,
+        ``dense_intermediate_size`` (dense MLP), ``intermediate_size`` (routed expert),
+        ``shared_intermediate_size``, ``num_local_experts``, ``num_experts_per_tok``,
+        ``routed_scaling_factor``, ``swiglu_alpha``, ``swiglu_limit``, ``tie_word_embeddings``.
+        A field given in both schemes with different values is a ConfigError.
+        ``num_layers`` truncates the stack (keeping the per-layer patterns of the first layers).
         """
         if isinstance(path_or_dict, Mapping):
-            cfg = dict(path_or_dict)
+            top = dict(path_or_dict)
         else:
             path = os.fspath(path_or_dict)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             with open(path) as f:
-                cfg = json.load(f)
-        if isinstance(cfg.get("text_config"), Mapping):
-            cfg = dict(cfg["text_config"])
+                top = json.load(f)
+        cfg = dict(top["text_config"]) if isinstance(top.get("text_config"), Mapping) else top
         sparse = dict(cfg.get("sparse_attention_config") or {})
         for key in ("sparse_attention_freq", "sparse_num_index_heads", "sparse_index_dim",
                     "sparse_block_size", "sparse_topk_blocks", "sparse_init_block",
@@ -163,48 +199,112 @@ class ModelConfig:
             if key not in sparse and key in cfg:  # tolerate flat layouts
                 sparse[key] = cfg[key]
 
-        def need(d, key):
-            if key not in d:
+        def need(key):
+            if key not in cfg:
                 raise ConfigError(f"{key}: missing from the MiniMax-M3 config")
-            return d[key]
+            return cfg[key]
 
-        n_layers = int(need(cfg, "num_hidden_layers"))
-        freq = tuple(int(bool(f)) for f in sparse.get("sparse_attention_freq", [0] * n_layers))
-        if sparse.get("use_sparse_attention") is False:
-            freq = (0,) * n_layers
+        def either(legacy_key, new_key, default):
+            """The value of the released name (in sparse_attention_config) or transformers'."""
+            have_old, have_new = legacy_key in sparse, new_key in cfg
+            if have_old and have_new and sparse[legacy_key] != cfg[new_key]:
+                raise ConfigError(f"{new_key}: {cfg[new_key]!r} disagrees with "
+                                  f"sparse_attention_config.{legacy_key}={sparse[legacy_key]!r}")
+            return sparse[legacy_key] if have_old else cfg.get(new_key, default)
+
+        def per_layer(field, values, names):
+            out = []
+            for i, v in enumerate(values):
+                if v not in names:
+                    raise ConfigError(f"{field}[{i}]: one of {tuple(names)}, got {v!r}")
+                out.append(names[v])
+            return tuple(out)
+
+        n_layers = int(need("num_hidden_layers"))
+        if "layer_types" in cfg:
+            freq = per_layer("layer_types", cfg["layer_types"],
+                             {"full_attention": 0, "minimax_m3_sparse": 1})
+            if "sparse_attention_freq" in sparse and \
+                    tuple(int(bool(f)) for f in sparse["sparse_attention_freq"]) != freq:
+                raise ConfigError("layer_types: disagrees with "
+                                  "sparse_attention_config.sparse_attention_freq")
+        else:
+            freq = tuple(int(bool(f)) for f in sparse.get("sparse_attention_freq", [0] * n_layers))
+            if sparse.get("use_sparse_attention") is False:
+                freq = (0,) * n_layers
+        if "mlp_layer_types" in cfg:
+            moe = per_layer("mlp_layer_types", cfg["mlp_layer_types"], {"dense": 0, "sparse": 1})
+        elif "moe_layer_freq" in cfg:
+            moe = tuple(int(bool(f)) for f in cfg["moe_layer_freq"])
+        else:
+            raise ConfigError("moe_layer_freq: missing from the MiniMax-M3 config (give "
+                              "moe_layer_freq or mlp_layer_types)")
         if sparse.get("sparse_score_type", "max") != "max":
             raise ConfigError(f"sparse_score_type: only 'max' is supported, got "
                               f"{sparse['sparse_score_type']!r}")
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None:
-            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ConfigError(f"scoring_func: only 'sigmoid' is supported, got "
+                              f"{cfg['scoring_func']!r}")
+        if float(cfg.get("swiglu_beta", 1.0)) != 1.0:
+            raise ConfigError(f"swiglu_beta: only 1.0 is supported, got {cfg['swiglu_beta']}")
+        if cfg.get("attention_output_gate", False):
+            raise ConfigError("attention_output_gate: only False is supported, got True")
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 1e4))
+        head_dim = int(cfg.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
+        factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+        rotary_dim = cfg.get("rotary_dim")
+        if factor is not None:
+            from_factor = int(head_dim * float(factor))
+            if rotary_dim is not None and int(rotary_dim) != from_factor:
+                raise ConfigError(f"rotary_dim: {rotary_dim} disagrees with partial_rotary_factor="
+                                  f"{factor} x head_dim={head_dim} = {from_factor}")
+            rotary_dim = from_factor
+        if rotary_dim is None:
+            rotary_dim = head_dim // 2
         if num_layers is not None:
-            n_layers, freq = int(num_layers), freq[:int(num_layers)]
+            n_layers, freq, moe = int(num_layers), freq[:int(num_layers)], moe[:int(num_layers)]
+        num_kv = int(need("num_key_value_heads"))
+        experts = {}
+        if any(moe):
+            inter = int(need("intermediate_size"))
+            n_shared = int(cfg.get("n_shared_experts", 1))
+            experts = dict(
+                num_experts=int(cfg["num_experts"] if "num_experts" in cfg
+                                else need("num_local_experts")),
+                num_experts_per_tok=int(need("num_experts_per_tok")),
+                moe_intermediate_size=inter,
+                shared_intermediate_size=n_shared * int(cfg.get("shared_intermediate_size", inter)),
+                routed_scaling_factor=float(need("routed_scaling_factor")),
+                use_routing_bias=bool(cfg.get("use_routing_bias", True)))
+        dense = {}
+        if not all(moe):
+            dense = dict(intermediate_size=int(cfg.get("dense_intermediate_size")
+                                               or need("intermediate_size")))
         return cls(
-            vocab_size=int(need(cfg, "vocab_size")),
-            hidden_size=int(need(cfg, "hidden_size")),
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
             num_layers=n_layers,
-            num_heads=int(need(cfg, "num_attention_heads")),
-            num_kv_heads=int(need(cfg, "num_key_value_heads")),
+            num_heads=int(need("num_attention_heads")),
+            num_kv_heads=num_kv,
             head_dim=head_dim,
-            rotary_dim=int(cfg.get("rotary_dim", head_dim // 2)),
+            rotary_dim=int(rotary_dim),
             rope_theta=float(rope_theta),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            intermediate_size=int(cfg.get("dense_intermediate_size") or need(cfg, "intermediate_size")),
-            num_index_heads=int(sparse.get("sparse_num_index_heads", cfg["num_key_value_heads"])),
-            index_dim=int(sparse.get("sparse_index_dim", 128)),
+            num_index_heads=int(either("sparse_num_index_heads", "index_n_heads", num_kv)),
+            index_dim=int(either("sparse_index_dim", "index_head_dim", 128)),
             sparse_attention_freq=freq,
-            topk_blocks=int(sparse.get("sparse_topk_blocks", TOPK)),
-            block_size=int(sparse.get("sparse_block_size", PAGE_SIZE)),
+            topk_blocks=int(either("sparse_topk_blocks", "index_topk_blocks", TOPK)),
+            block_size=int(either("sparse_block_size", "index_block_size", PAGE_SIZE)),
             init_blocks=int(sparse.get("sparse_init_block", 0)),
-            local_blocks=int(sparse.get("sparse_local_block", 1)),
+            local_blocks=int(either("sparse_local_block", "index_local_blocks", 1)),
             swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            dtype=dtype,
+            moe_layer_freq=moe,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)
+                                     or top.get("tie_word_embeddings", False)),
+            dtype=dtype, **experts, **dense,
         )
-
 
 
 @dataclasses.dataclass(frozen=True)

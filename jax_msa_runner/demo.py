@@ -6,6 +6,10 @@ a summary: requests, prompt and output tokens/s, step latency p50/p99, compilati
 warm-up (must be 0) and the metadata validation result (``--debug`` validates every step).
 ``--index-cache-dtype float8_e4m3fn`` keeps the index-K cache in fp8 (default: the model dtype).
 
+``--checkpoint DIR`` serves a Hugging Face MiniMax-M3 checkpoint instead of the tiny model;
+when the folder has a tokenizer, the prompts are text (``--prompt``, repeatable) and the
+outputs are printed as text.
+
 Every flag is checked before any work starts (``plan_demo``): a bad value exits with status
 2 and one line on stderr naming the flag and its bound.
 
@@ -77,6 +81,12 @@ def add_demo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="index-K cache dtype (auto: the model dtype; float8_e4m3fn: raw fp8 keys "
                         "the indexer upcasts)")
     g.add_argument("--debug", action="store_true", help="validate every step's metadata")
+    g.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="serve this Hugging Face checkpoint folder instead of the tiny model")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="model dtype with --checkpoint")
+    g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="a text prompt (repeatable; needs a --checkpoint with a tokenizer.json)")
     g.add_argument("--dcp", type=bounded_int(1), default=1, metavar="W",
                    help="decode context parallel ranks (devices); on CPU host devices via "
                         "XLA_FLAGS=--xla_force_host_platform_device_count=W")
@@ -112,6 +122,38 @@ def _workload(args: argparse.Namespace, vocab: int) -> list[Request]:
     return [reqs[j] for j in order]
 
 
+DEFAULT_PROMPTS = ("The quick brown fox", "Sparse attention reads sixteen pages",
+                   "Once upon a time", "A mixture of experts")
+
+
+def _load_checkpoint(args: argparse.Namespace):
+    """(ModelConfig, params, tokenizer or None) of ``--checkpoint``; FlagError if unreadable."""
+    from jax_msa_runner.checkpoint import CheckpointError, load
+    from jax_msa_runner.tokenizer import load_tokenizer
+    try:
+        mc, params = load(args.checkpoint, dtype=args.dtype, num_layers=args.num_layers)
+        tok = load_tokenizer(args.checkpoint, vocab_size=mc.vocab_size)
+    except (CheckpointError, ConfigError, ValueError, OSError) as e:
+        raise FlagError("--checkpoint", str(e)) from None
+    if args.prompt and tok is None:
+        raise FlagError("--prompt", f"needs a tokenizer.json in --checkpoint {args.checkpoint}")
+    return dataclasses.replace(mc, index_cache_dtype=args.index_cache_dtype), params, tok
+
+
+def _text_workload(args: argparse.Namespace, tok, vocab: int) -> list[Request]:
+    """One request per text prompt (``--prompt``, else DEFAULT_PROMPTS)."""
+    reqs = []
+    for i, text in enumerate(args.prompt or DEFAULT_PROMPTS):
+        ids = tok.encode(text)
+        if not ids or max(ids) >= vocab:
+            raise FlagError("--prompt", f"{text!r} tokenizes to {ids[:8]}: needs at least one "
+                                        f"token, every id < the model's vocab_size={vocab}")
+        reqs.append(Request(i, tuple(ids), args.output_len, temperature=args.temperature,
+                            seed=args.seed * SEED_STRIDE + i,
+                            stop_token_ids=frozenset(tok.eos_token_ids)))
+    return reqs
+
+
 @dataclasses.dataclass(frozen=True)
 class DemoPlan:
     """Everything the demo needs, built and checked from the flags before any work starts.
@@ -127,6 +169,8 @@ class DemoPlan:
     seed: int
     attention_impl: str | None
     debug: bool
+    params: dict | None = None  # a checkpoint's weights (None: random, from seed)
+    tokenizer: object | None = None  # a checkpoint's tokenizer: text prompts and outputs
 
 
 def plan_demo(args: argparse.Namespace) -> DemoPlan:
@@ -136,18 +180,24 @@ def plan_demo(args: argparse.Namespace) -> DemoPlan:
     host devices (``request_host_devices``) and then checks that W devices exist.
     """
     W = args.dcp
-    if args.long_prompts > args.num_requests:
-        raise FlagError("--long-prompts", f"must be <= --num-requests = {args.num_requests}, "
-                                          f"got {args.long_prompts}")
-    if args.output_len > args.max_model_len - SHORT_PROMPT_MAX:
-        raise FlagError("--output-len", f"must be <= --max-model-len - {SHORT_PROMPT_MAX} = "
-                        f"{args.max_model_len - SHORT_PROMPT_MAX} (short prompts have up to "
-                        f"{SHORT_PROMPT_MAX} tokens), got {args.output_len}")
-    if args.long_prompts and args.max_model_len < LONG_PROMPT_MIN + args.output_len:
-        raise FlagError("--max-model-len", f"must be >= {LONG_PROMPT_MIN} + --output-len = "
-                        f"{LONG_PROMPT_MIN + args.output_len} when --long-prompts > 0 (long "
-                        f"prompts have at least {LONG_PROMPT_MIN} tokens), "
-                        f"got {args.max_model_len}")
+    params, tok = None, None
+    if args.checkpoint is not None:
+        mc, params, tok = _load_checkpoint(args)
+    elif args.prompt:
+        raise FlagError("--prompt", "needs --checkpoint DIR with a tokenizer.json")
+    if tok is None:  # the synthetic workload's bounds
+        if args.long_prompts > args.num_requests:
+            raise FlagError("--long-prompts", f"must be <= --num-requests = {args.num_requests}, "
+                                              f"got {args.long_prompts}")
+        if args.output_len > args.max_model_len - SHORT_PROMPT_MAX:
+            raise FlagError("--output-len", f"must be <= --max-model-len - {SHORT_PROMPT_MAX} = "
+                            f"{args.max_model_len - SHORT_PROMPT_MAX} (short prompts have up to "
+                            f"{SHORT_PROMPT_MAX} tokens), got {args.output_len}")
+        if args.long_prompts and args.max_model_len < LONG_PROMPT_MIN + args.output_len:
+            raise FlagError("--max-model-len", f"must be >= {LONG_PROMPT_MIN} + --output-len = "
+                            f"{LONG_PROMPT_MIN + args.output_len} when --long-prompts > 0 (long "
+                            f"prompts have at least {LONG_PROMPT_MIN} tokens), "
+                            f"got {args.max_model_len}")
     if W > 1 and args.max_model_len <= W * DCP_INTERLEAVE:
         raise FlagError("--max-model-len", f"must be > --dcp * {DCP_INTERLEAVE} = "
                         f"{W * DCP_INTERLEAVE} (the DCP dummy context), got {args.max_model_len}")
@@ -161,13 +211,14 @@ def plan_demo(args: argparse.Namespace) -> DemoPlan:
     # few buckets keep start-up short; decode batches pad up to the next one
     sizes = tuple(s for s in (8, 32, 128, 512) if s < budget) + (budget,)
     try:
-        mc = ModelConfig.tiny(index_cache_dtype=args.index_cache_dtype, **layers)
+        if params is None:
+            mc = ModelConfig.tiny(index_cache_dtype=args.index_cache_dtype, **layers)
         rc = RunnerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                           max_model_len=args.max_model_len, bucket_sizes=sizes, dcp_world_size=W)
     except ConfigError as e:  # not reachable with the checks above; kept one line all the same
         raise FlagError("--max-num-seqs/--max-num-batched-tokens/--max-model-len/--dcp/"
                         "--num-layers", str(e)) from None
-    reqs = _workload(args, mc.vocab_size)
+    reqs = _text_workload(args, tok, mc.vocab_size) if tok else _workload(args, mc.vocab_size)
     # the scheduler's need: the last sampled token is never written to the cache
     longest = max(pages_needed(len(r.prompt) + r.max_new_tokens - 1, W) for r in reqs)
     min_pages = len(RESERVED_PAGES) + longest
@@ -192,7 +243,7 @@ def plan_demo(args: argparse.Namespace) -> DemoPlan:
                         f"XLA_FLAGS={HOST_DEVICES_FLAG}={W} (set before jax initialises)")
     return DemoPlan(model=mc, runner=rc, num_pages=num_pages, requests=tuple(reqs),
                     scheduler=sched, seed=args.seed, attention_impl=args.attention_impl,
-                    debug=args.debug)
+                    debug=args.debug, params=params, tokenizer=tok)
 
 
 def run_demo(plan: DemoPlan) -> int:
@@ -200,7 +251,7 @@ def run_demo(plan: DemoPlan) -> int:
     mc, rc, num_pages = plan.model, plan.runner, plan.num_pages
     reqs, sched = plan.requests, plan.scheduler
     W = rc.dcp_world_size
-    runner = ModelRunner(mc, rc, num_pages=num_pages, seed=plan.seed,
+    runner = ModelRunner(mc, rc, num_pages=num_pages, seed=plan.seed, params=plan.params,
                          attention_impl=plan.attention_impl, debug=plan.debug)
     print(f"model: {mc.num_layers} layers ({sum(mc.layer_is_msa)} MSA, "
           f"{mc.num_layers - sum(mc.layer_is_msa)} dense), hidden {mc.hidden_size}, heads "
@@ -246,6 +297,9 @@ def run_demo(plan: DemoPlan) -> int:
           f"{np.percentile(lat, 50):.1f} ms, p99 {np.percentile(lat, 99):.1f} ms")
     print(f"  compilations after warm-up: {stats.compilations}")
     print(f"  metadata validation: {validation}")
+    for r in (reqs if plan.tokenizer else ()):
+        tok = plan.tokenizer
+        print(f"  {tok.decode(r.prompt)!r} -> {tok.decode(sched.finished[r.request_id].output)!r}")
     ok = stats.compilations == 0 and len(sched.finished) == total
     return 0 if ok else 1
 

@@ -1,7 +1,12 @@
-"""A MiniMax-M3-shaped model: parameters, layers and the forward pass (pure functions).
+"""The MiniMax-M3 text model: parameters, layers and the forward pass (pure functions).
 
-Per layer: Gemma RMSNorm -> attention -> residual -> Gemma RMSNorm -> dense swigluoai MLP
--> residual. Attention: q/k/v projections, per-head Gemma RMSNorm on q and k, partial NeoX
+Per layer: Gemma RMSNorm -> attention -> residual -> Gemma RMSNorm -> MLP -> residual.
+The MLP is a dense swigluoai MLP, or on layers with ``moe_layer_freq[i] == 1`` a mixture of
+experts: a sigmoid router in f32 (``e_score_correction_bias`` added for choosing the top-k
+experts only; the chosen sigmoid scores renormalised to sum 1, times
+``routed_scaling_factor``), swigluoai routed experts computed as grouped matmuls
+(``jax.lax.ragged_dot``) over the token copies sorted by expert, plus one ungated shared
+expert. Attention: q/k/v projections, per-head Gemma RMSNorm on q and k, partial NeoX
 RoPE on the first ``rotary_dim`` channels of every head, GQA over the paged cache. Layers
 with ``sparse_attention_freq[i] == 1`` are MSA layers: they also project index queries
 (one head per KV head) and one shared index key, normalise and rotate them with the same
@@ -30,23 +35,27 @@ from jax_msa_runner.config import ModelConfig
 # ---- parameters ------------------------------------------------------------------------------
 
 def init_params(config: ModelConfig, seed: int = 0) -> dict:
-    """Random weights from ``seed`` (a pytree of arrays in ``config.dtype``).
+    """Random weights from ``seed`` (a pytree of arrays in ``config.dtype``; MoE routers f32).
 
+    Layer dicts: attention (q/k/v/o_proj [in, out], q/k_norm, index_* on MSA layers), the
+    norms, and either a dense MLP (gate_up_proj [H, 2I], down_proj [I, H]) or, on MoE
+    layers, ``init_moe_params``' entries.
     Projections ~ N(0, 1/fan_in); norm weights ~ 0.1 * N(0, 1) so the Gemma ``(1 + w)`` is
     exercised; the embedding ~ N(0, 1).
     """
     c = config
     dt = c.jnp_dtype
-    keys = iter(jax.random.split(jax.random.key(seed), 4 + 16 * c.num_layers))
+    keys = iter(jax.random.split(jax.random.key(seed), 4 + 24 * c.num_layers))
 
-    def dense(shape):
-        return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(shape[0])).astype(dt)
+    def dense(shape, dtype=dt):
+        fan_in = shape[-2]
+        return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
     def norm(n):
         return (0.1 * jax.random.normal(next(keys), (n,), jnp.float32)).astype(dt)
 
     layers = []
-    for msa in c.layer_is_msa:
+    for msa, moe in zip(c.layer_is_msa, c.layer_is_moe):
         layer = {
             "input_norm": norm(c.hidden_size),
             "q_proj": dense((c.hidden_size, c.num_heads * c.head_dim)),
@@ -56,9 +65,14 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict:
             "q_norm": norm(c.head_dim),
             "k_norm": norm(c.head_dim),
             "post_attention_norm": norm(c.hidden_size),
-            "gate_up_proj": dense((c.hidden_size, 2 * c.intermediate_size)),
-            "down_proj": dense((c.intermediate_size, c.hidden_size)),
         }
+        if moe:
+            layer.update(init_moe_params(c, next(keys)))
+        else:
+            layer.update({
+                "gate_up_proj": dense((c.hidden_size, 2 * c.intermediate_size)),
+                "down_proj": dense((c.intermediate_size, c.hidden_size)),
+            })
         if msa:
             layer.update({
                 "index_q_proj": dense((c.hidden_size, c.num_index_heads * c.index_dim)),
@@ -75,6 +89,32 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict:
     if not c.tie_word_embeddings:
         params["lm_head"] = dense((c.hidden_size, c.vocab_size))
     return params
+
+
+def init_moe_params(config: ModelConfig, key: jax.Array) -> dict:
+    """Random MoE weights of one layer.
+
+    router [H, E] f32 ~ N(0, 1/H); router_bias [E] f32 ~ 0.1 * N(0, 1) (only present with
+    ``use_routing_bias``); experts_gate_up [E, H, 2I] (gate | up halves); experts_down
+    [E, I, H]; shared_gate_up [H, 2Is], shared_down [Is, H] (only with a shared expert);
+    expert weights in ``config.dtype``, N(0, 1/fan_in).
+    """
+    c = config
+    H, E, I, Is = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_intermediate_size
+    k = iter(jax.random.split(key, 6))
+
+    def w(shape, dtype=c.jnp_dtype):
+        return (jax.random.normal(next(k), shape, jnp.float32) / math.sqrt(shape[-2])).astype(dtype)
+
+    out = {"router": w((H, E), jnp.float32),
+           "experts_gate_up": w((E, H, 2 * I)),
+           "experts_down": w((E, I, H))}
+    if c.use_routing_bias:
+        out["router_bias"] = 0.1 * jax.random.normal(next(k), (E,), jnp.float32)
+    if Is:
+        out["shared_gate_up"] = w((H, 2 * Is))
+        out["shared_down"] = w((Is, H))
+    return out
 
 
 # ---- building blocks -------------------------------------------------------------------------
@@ -111,6 +151,70 @@ def swigluoai(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
     return (up + 1.0) * gate * jax.nn.sigmoid(alpha * gate)
 
 
+def dense_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, alpha: float,
+              limit: float) -> jax.Array:
+    """swigluoai MLP: x [T, H] @ gate_up [H, 2I] -> act [T, I] @ down [I, H] -> [T, H]."""
+    return swigluoai(x @ gate_up, alpha, limit) @ down
+
+
+def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, *, top_k: int,
+          routed_scaling_factor: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sigmoid top-k routing in f32.
+
+    x [T, H]; router [H, E] f32; bias [E] f32 or None (added to the scores for choosing only).
+    Returns (weights [T, k] f32: the chosen sigmoid scores renormalised to sum 1, times
+    ``routed_scaling_factor``; experts [T, k] int32, by descending biased score;
+    logits [T, E] f32).
+    """
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)[None, :]
+    _, experts = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True) * routed_scaling_factor
+    return weights, experts.astype(jnp.int32), logits
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, token_mask: jax.Array,
+                   gate_up: jax.Array, down: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """Weighted sum of each token's chosen swigluoai experts, as two grouped matmuls.
+
+    x [T, H]; weights [T, k] f32; experts [T, k] int32 in [0, E); token_mask [T] bool;
+    gate_up [E, H, 2I]; down [E, I, H]. The T*k (token, expert) copies are sorted by expert
+    and multiplied group by group (``jax.lax.ragged_dot``). Copies of masked (padding)
+    tokens are sorted behind every group, outside ``group_sizes``: they cost no expert
+    weights and come out as zeros. Returns [T, H] in x.dtype.
+    """
+    T, k = experts.shape
+    E = gate_up.shape[0]
+    flat = jnp.where(token_mask[:, None], experts, E).reshape(T * k)  # E: no expert
+    order = jnp.argsort(flat, stable=True)  # copies grouped by expert, padding last
+    group_sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
+    xs = x[order // k]  # [T*k, H]
+    h = jax.lax.ragged_dot(xs, gate_up, group_sizes, preferred_element_type=jnp.float32)
+    h = swigluoai(h, alpha, limit).astype(x.dtype)  # [T*k, I]
+    y = jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32)
+    unsorted = jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1)  # back to (token, slot)
+    out = jnp.einsum("tk,tkh->th", jnp.where(token_mask[:, None], weights, 0.0), unsorted)
+    return out.astype(x.dtype)
+
+
+def moe_mlp(layer: dict, x: jax.Array, token_mask: jax.Array, config: ModelConfig
+            ) -> tuple[jax.Array, jax.Array]:
+    """MoE MLP of one layer: x [T, H] -> ([T, H], chosen experts [T, k] int32)."""
+    c = config
+    weights, experts, _ = route(x, layer["router"], layer.get("router_bias"),
+                                top_k=c.num_experts_per_tok,
+                                routed_scaling_factor=c.routed_scaling_factor)
+    out = routed_experts(x, weights, experts, token_mask, layer["experts_gate_up"],
+                         layer["experts_down"], c.swiglu_alpha, c.swiglu_limit)
+    if c.shared_intermediate_size:
+        out = out + dense_mlp(x, layer["shared_gate_up"], layer["shared_down"], c.swiglu_alpha,
+                              c.swiglu_limit)
+    return out, experts
+
+
 # ---- layers ----------------------------------------------------------------------------------
 
 def _attention_block(layer: dict, x: jax.Array, kv_cache: jax.Array, index_cache, md: BatchMetadata,
@@ -143,6 +247,39 @@ def _attention_block(layer: dict, x: jax.Array, kv_cache: jax.Array, index_cache
     return out, kv_cache, index_cache
 
 
+def forward_with_routing(params: dict, caches: KVCaches, token_ids: jax.Array,
+                         md: BatchMetadata, *, config: ModelConfig,
+                         attention_impl: str = "reference", attention_mode: str = "msa",
+                         dcp_world_size: int = 1, interpret: bool = False
+                         ) -> tuple[jax.Array, KVCaches, tuple[jax.Array | None, ...]]:
+    """``forward`` that also returns each layer's chosen experts: a tuple with one entry per
+    layer, int32 [T, k] on MoE layers (by descending biased score), None on dense-MLP layers."""
+    c = config
+    x = params["embed"][token_ids]
+    cos, sin = rope_tables(md.positions, c.rotary_dim, c.rope_theta)
+    new_kv, new_idx, routing = [], [], []
+    for i, (layer, is_msa, is_moe) in enumerate(zip(params["layers"], c.layer_is_msa,
+                                                     c.layer_is_moe)):
+        h = gemma_rms_norm(x, layer["input_norm"], c.rms_norm_eps)
+        attn, kv_i, idx_i = _attention_block(layer, h, caches.kv[i], caches.index_k[i], md, cos, sin,
+                                             config=c, is_msa=is_msa, attention_impl=attention_impl,
+                                             attention_mode=attention_mode,
+                                             dcp_world_size=dcp_world_size, interpret=interpret)
+        x = x + attn
+        h = gemma_rms_norm(x, layer["post_attention_norm"], c.rms_norm_eps)
+        if is_moe:
+            mlp, chosen = moe_mlp(layer, h, md.token_mask, c)
+        else:
+            mlp, chosen = dense_mlp(h, layer["gate_up_proj"], layer["down_proj"], c.swiglu_alpha,
+                                    c.swiglu_limit), None
+        x = x + mlp
+        new_kv.append(kv_i)
+        new_idx.append(idx_i)
+        routing.append(chosen)
+    x = gemma_rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    return x, KVCaches(kv=tuple(new_kv), index_k=tuple(new_idx)), tuple(routing)
+
+
 def forward(params: dict, caches: KVCaches, token_ids: jax.Array, md: BatchMetadata, *,
             config: ModelConfig, attention_impl: str = "reference",
             attention_mode: str = "msa", dcp_world_size: int = 1,
@@ -155,23 +292,10 @@ def forward(params: dict, caches: KVCaches, token_ids: jax.Array, md: BatchMetad
     interpret: Pallas interpret mode for attention_impl "pallas" (CPU).
     Returns (hidden [T, hidden] after the final norm (replicated under DCP), updated caches).
     """
-    c = config
-    x = params["embed"][token_ids]
-    cos, sin = rope_tables(md.positions, c.rotary_dim, c.rope_theta)
-    new_kv, new_idx = [], []
-    for i, (layer, is_msa) in enumerate(zip(params["layers"], c.layer_is_msa)):
-        h = gemma_rms_norm(x, layer["input_norm"], c.rms_norm_eps)
-        attn, kv_i, idx_i = _attention_block(layer, h, caches.kv[i], caches.index_k[i], md, cos, sin,
-                                             config=c, is_msa=is_msa, attention_impl=attention_impl,
-                                             attention_mode=attention_mode,
-                                             dcp_world_size=dcp_world_size, interpret=interpret)
-        x = x + attn
-        h = gemma_rms_norm(x, layer["post_attention_norm"], c.rms_norm_eps)
-        x = x + swigluoai(h @ layer["gate_up_proj"], c.swiglu_alpha, c.swiglu_limit) @ layer["down_proj"]
-        new_kv.append(kv_i)
-        new_idx.append(idx_i)
-    x = gemma_rms_norm(x, params["final_norm"], c.rms_norm_eps)
-    return x, KVCaches(kv=tuple(new_kv), index_k=tuple(new_idx))
+    hidden, caches, _ = forward_with_routing(
+        params, caches, token_ids, md, config=config, attention_impl=attention_impl,
+        attention_mode=attention_mode, dcp_world_size=dcp_world_size, interpret=interpret)
+    return hidden, caches
 
 
 def compute_logits(params: dict, hidden: jax.Array, config: ModelConfig) -> jax.Array:

@@ -25,7 +25,9 @@ M3_CONFIG = {
     "rms_norm_eps": 1e-6, "vocab_size": 200064, "intermediate_size": 3072,
     "dense_intermediate_size": 12288, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
     "use_gemma_norm": True, "qk_norm_type": "per_head", "tie_word_embeddings": False,
-    "moe_layer_freq": [0] * 3 + [1] * 57,
+    "moe_layer_freq": [0] * 3 + [1] * 57, "num_local_experts": 128, "num_experts_per_tok": 4,
+    "shared_intermediate_size": 3072, "n_shared_experts": 1, "scoring_func": "sigmoid",
+    "use_routing_bias": True, "routed_scaling_factor": 2.0, "hidden_act": "swigluoai",
     "sparse_attention_config": {
         "use_sparse_attention": True, "sparse_index_dim": 128, "sparse_num_index_heads": 4,
         "sparse_topk_blocks": 16, "sparse_block_size": 128, "sparse_score_type": "max",
@@ -83,6 +85,10 @@ def test_from_hf_config_true_shapes(tmp_path):
     assert c.sparse_attention_freq[:4] == (0, 0, 0, 1) and sum(c.layer_is_msa) == 57
     assert (c.num_index_heads, c.index_dim, c.rotary_dim, c.rope_theta) == (4, 128, 64, 5e6)
     assert c.intermediate_size == 12288 and c.vocab_size == 200064
+    assert c.moe_layer_freq == c.sparse_attention_freq and sum(c.layer_is_moe) == 57
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+            c.shared_intermediate_size, c.routed_scaling_factor, c.use_routing_bias) == (
+        128, 4, 3072, 3072, 2.0, True)
     assert c.group_size == 16
     r = c.per_rank(4)
     assert (r.num_heads, r.num_kv_heads, r.num_index_heads) == (16, 1, 1)
@@ -92,6 +98,12 @@ def test_from_hf_config_true_shapes(tmp_path):
     assert l3["q_proj"].shape == (6144, 64 * 128) and l3["k_proj"].shape == (6144, 4 * 128)
     assert l3["index_q_proj"].shape == (6144, 4 * 128) and l3["index_k_proj"].shape == (6144, 128)
     assert "index_q_proj" not in shapes["layers"][2]
+    assert shapes["layers"][2]["gate_up_proj"].shape == (6144, 2 * 12288)  # dense MLP
+    assert l3["experts_gate_up"].shape == (128, 6144, 2 * 3072)  # MoE: [E, H, 2I]
+    assert l3["experts_down"].shape == (128, 3072, 6144)
+    assert l3["router"].shape == (6144, 128) and l3["router"].dtype == jnp.float32
+    assert l3["router_bias"].shape == (128,) and l3["shared_gate_up"].shape == (6144, 2 * 3072)
+    assert "gate_up_proj" not in l3 and "router" not in shapes["layers"][2]
     assert shapes["embed"].shape == (200064, 6144)
 
 

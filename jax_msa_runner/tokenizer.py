@@ -1,0 +1,126 @@
+"""Text in and out for a checkpoint folder that ships tokenizer files.
+
+``load_tokenizer(folder)`` reads ``tokenizer.json`` with the ``tokenizers`` library, returns
+None for a folder without tokenizer files, and raises ValueError for one with other
+tokenizer files only. The result has the interface of ``serving.tokenizer_io.Tokenizer``
+(``encode``, ``decode``, ``token_str``, ``apply_chat_template``, ``vocab_size``,
+``eos_token_ids``); chat templates (Jinja) are not rendered: ``apply_chat_template`` raises
+ValueError. The
+end-of-sequence ids come from ``generation_config.json``, else ``config.json`` (or its
+``text_config``), else the tokenizer's ``eos_token`` in ``tokenizer_config.json``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTokenizer:
+    """encode: str -> list[int]; decode: ids below ``vocab_size`` -> str (special tokens
+    dropped); token_str: id -> its vocabulary entry (distinct per id).
+
+    ``vocab_size`` is the model's: ids from ``known`` (the tokenizer's own vocabulary size)
+    up to it (a model vocabulary padded past the tokenizer's) decode to ``<|id|>``.
+    """
+
+    encode_fn: Callable[[str], list[int]]
+    decode_fn: Callable[[list[int]], str]
+    id_to_token: Callable[[int], str | None]
+    known: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def _check(self, token_id: int) -> int:
+        if not 0 <= int(token_id) < self.vocab_size:
+            raise ValueError(f"token id {token_id}: must be in [0, vocab_size={self.vocab_size})")
+        return int(token_id)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.encode_fn(text))
+
+    def decode(self, ids) -> str:
+        parts, run = [], []
+        for t in (self._check(i) for i in ids):
+            if t < self.known:
+                run.append(t)
+                continue
+            if run:
+                parts.append(self.decode_fn(run))
+                run = []
+            parts.append(f"<|{t}|>")
+        if run:
+            parts.append(self.decode_fn(run))
+        return "".join(parts)
+
+    def token_str(self, token_id: int) -> str:
+        t = self._check(token_id)
+        piece = self.id_to_token(t) if t < self.known else None
+        return f"<|{t}|>" if piece is None else piece
+
+    def apply_chat_template(self, messages) -> str:
+        raise ValueError("this tokenizer has no chat template the runner can render")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _eos_ids(folder: str, token_to_id: Callable[[str], int | None]) -> tuple[int, ...]:
+    gen = _read_json(os.path.join(folder, "generation_config.json"))
+    if _ids(gen.get("eos_token_id")):
+        return _ids(gen["eos_token_id"])
+    cfg = _read_json(os.path.join(folder, "config.json"))
+    for c in (cfg, cfg.get("text_config") or {}):
+        if _ids(c.get("eos_token_id")):
+            return _ids(c["eos_token_id"])
+    eos = _read_json(os.path.join(folder, "tokenizer_config.json")).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    tid = token_to_id(eos) if isinstance(eos, str) else None
+    return () if tid is None else (int(tid),)
+
+
+def load_tokenizer(folder: str | os.PathLike, vocab_size: int | None = None
+                   ) -> TextTokenizer | None:
+    """The folder's tokenizer, or None when it has no tokenizer files.
+
+    vocab_size: the model's vocabulary (default: the tokenizer's); ValueError when the
+    tokenizer's own vocabulary is larger (it could produce ids the model has no row for).
+    """
+    folder = os.fspath(folder)
+    path = os.path.join(folder, "tokenizer.json")
+    if os.path.exists(path):
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(path)
+        known = tok.get_vocab_size(with_added_tokens=True)
+        if vocab_size is not None and known > vocab_size:
+            raise ValueError(f"{path}: {known} tokens, more than the model's vocab_size="
+                             f"{vocab_size}")
+        return TextTokenizer(
+            encode_fn=lambda text: tok.encode(text).ids,
+            decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
+            id_to_token=tok.id_to_token, known=known,
+            vocab_size=known if vocab_size is None else int(vocab_size),
+            eos_token_ids=_eos_ids(folder, tok.token_to_id))
+    present = [n for n in TOKENIZER_FILES if os.path.exists(os.path.join(folder, n))]
+    if not present:
+        return None
+    raise ValueError(f"{folder}: has tokenizer files {present} but no tokenizer.json (the "
+                     f"'tokenizers' format this runner reads)")
+
+
+__all__ = ["TextTokenizer", "load_tokenizer"]
