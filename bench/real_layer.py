@@ -41,6 +41,7 @@ from jax_msa_runner.batch.staging import pack_host_batch  # noqa: E402
 from jax_msa_runner.config import ModelConfig, RunnerConfig  # noqa: E402
 from jax_msa_runner.model import init_params, moe_mlp, route  # noqa: E402
 from jax_msa_runner.serving.runner import pack_step_inputs, serve_step  # noqa: E402
+from jax_msa_runner.serving.sampling import SamplingRows, init_penalty_state  # noqa: E402
 
 
 def real_config(tp: int, experts: int, small: bool = False) -> ModelConfig:
@@ -78,15 +79,16 @@ def run_point(params, mc, batch, context, impl, iters):
     caches = init_caches(mc, 2 + batch * pages, None)
     table = (2 + np.arange(batch * pages)).reshape(batch, pages)
     packed = pack_host_batch(np.ones(batch, np.int64), np.full(batch, context - 1), table, bucket, rc)
-    buf = jax.device_put(pack_step_inputs(packed, np.arange(batch) % mc.vocab_size,
-                                          np.zeros(batch), np.zeros(batch),
-                                          np.zeros(batch, np.float32), bucket))
+    rows = SamplingRows.neutral(batch)._replace(slot=np.arange(batch, dtype=np.int32))
+    buf = jax.device_put(pack_step_inputs(packed, np.arange(batch) % mc.vocab_size, rows,
+                                          bucket))
     step = jax.jit(functools.partial(serve_step, bucket=bucket, rconfig=rc, mconfig=mc,
-                                     attention_impl=impl), donate_argnums=1)
-    state = {"caches": caches}
+                                     attention_impl=impl), donate_argnums=(1, 2))
+    state = {"caches": caches, "penalties": init_penalty_state(batch, mc.vocab_size)}
 
     def one():
-        nxt, _, state["caches"], _ = step(params, state["caches"], buf)
+        nxt, _, state["caches"], state["penalties"], _ = step(params, state["caches"],
+                                                              state["penalties"], buf)
         return nxt
 
     return _median_ms(one, iters)
