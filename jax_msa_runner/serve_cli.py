@@ -3,6 +3,8 @@
 Without ``--checkpoint`` it serves the built-in tiny model (random weights from ``--seed``)
 with the byte tokenizer (``serving.tokenizer_io.ByteTokenizer``): text prompts, chat,
 stop strings and streaming work end to end, and completions also take token-id prompts.
+With ``--checkpoint DIR`` it serves that Hugging Face folder (``checkpoint.load``) with its
+``tokenizer.json`` when there is one (else the byte tokenizer over the model's vocabulary).
 Start-up: every flag is checked first (a bad one prints one line naming the flag and its
 bound and exits with status 2), the port is bound (a port in use fails here, before any
 compile), the runner compiles every bucket (warm-up), and only then does uvicorn accept
@@ -11,6 +13,7 @@ requests. Routes: ``jax_msa_runner.serving.server``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jax_msa_runner.config import RESERVED_PAGES
@@ -24,7 +27,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the serve flags on ``parser`` (the CLI's ``serve`` subcommand)."""
     g = parser.add_argument_group("serve")
     g.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="serve a checkpoint (not available yet: the tiny model is served)")
+                   help="serve this Hugging Face checkpoint folder instead of the tiny model")
+    g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="model dtype with --checkpoint")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
@@ -76,8 +81,8 @@ def check_serve_args(args) -> tuple[tuple[int, ...], int]:
             raise FlagError(f"{flag}: must be {bound}, got {value!r}")
 
     if args.checkpoint is not None:
-        raise FlagError(f"--checkpoint: checkpoint loading is not available in this build (got "
-                        f"{args.checkpoint!r}); leave it out to serve the built-in tiny model")
+        need(os.path.isfile(os.path.join(args.checkpoint, "config.json")), "--checkpoint",
+             "a folder holding config.json", args.checkpoint)
     need(bool(args.host.strip()), "--host", "a non-empty host name or address", args.host)
     need(1 <= args.port <= 65535, "--port", "in [1, 65535]", args.port)
     need(bool(args.model_name.strip()), "--model-name", "non-empty", args.model_name)
@@ -99,6 +104,31 @@ def check_serve_args(args) -> tuple[tuple[int, ...], int]:
     return sizes, pages
 
 
+def build_model(args: argparse.Namespace):
+    """(ModelConfig, params or None (random from --seed), tokenizer) the flags ask for.
+
+    Raises FlagError naming --checkpoint when the folder cannot be loaded.
+    """
+    from jax_msa_runner.config import ModelConfig
+    from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
+
+    if args.checkpoint is None:
+        layers = {} if args.num_layers is None else dict(
+            num_layers=args.num_layers,
+            sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1))
+        mc = ModelConfig.tiny(**layers)
+        return mc, None, ByteTokenizer(mc.vocab_size)
+    from jax_msa_runner.checkpoint import CheckpointError, load
+    from jax_msa_runner.config import ConfigError
+    from jax_msa_runner.tokenizer import load_tokenizer
+    try:
+        mc, params = load(args.checkpoint, dtype=args.dtype, num_layers=args.num_layers)
+        tok = load_tokenizer(args.checkpoint, vocab_size=mc.vocab_size)
+    except (CheckpointError, ConfigError, ValueError, OSError) as e:
+        raise FlagError(f"--checkpoint: cannot serve {args.checkpoint!r}: {e}") from None
+    return mc, params, tok if tok is not None else ByteTokenizer(mc.vocab_size)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Check the flags, build and warm up the runner, then serve until interrupted."""
     try:
@@ -108,11 +138,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from jax_msa_runner.config import ModelConfig, RunnerConfig, SchedulerConfig
+    from jax_msa_runner.config import RunnerConfig, SchedulerConfig
     from jax_msa_runner.serving.engine import Engine
     from jax_msa_runner.serving.runner import ModelRunner
     from jax_msa_runner.serving.server import bind_socket, build_app
-    from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
 
     try:
         sock = bind_socket(args.host, args.port)
@@ -120,23 +149,27 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: --host/--port: cannot listen on {args.host}:{args.port}: {e}",
               file=sys.stderr)
         return 2
-    layers = {} if args.num_layers is None else dict(
-        num_layers=args.num_layers, sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1))
-    mc = ModelConfig.tiny(**layers)
+    try:
+        mc, params, tokenizer = build_model(args)
+    except FlagError as e:
+        sock.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rc = RunnerConfig(max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=args.max_model_len, bucket_sizes=sizes)
-    runner = ModelRunner(mc, rc, num_pages=num_pages, seed=args.seed,
+    runner = ModelRunner(mc, rc, num_pages=num_pages, params=params, seed=args.seed,
                          attention_impl=args.attention_impl)
-    print(f"model {args.model_name!r}: tiny, {mc.num_layers} layers, vocab {mc.vocab_size} "
-          f"(byte tokenizer); attention impl {runner.attention_impl}; buckets {list(sizes)}, "
+    source = args.checkpoint or "tiny (random weights)"
+    print(f"model {args.model_name!r}: {source}, {mc.num_layers} layers, vocab {mc.vocab_size} "
+          f"({type(tokenizer).__name__}); attention impl {runner.attention_impl}; buckets {list(sizes)}, "
           f"max_num_seqs {rc.max_num_seqs}, max_model_len {rc.max_model_len}, {num_pages} KV "
           f"pages", flush=True)
     rep = runner.warm_up()
     print(f"warm-up: {len(rep.buckets)} buckets, {rep.compilations} XLA compilations in "
           f"{rep.compile_seconds:.1f}s", flush=True)
     engine = Engine(runner, SchedulerConfig.from_runner(rc, num_pages),
-                    ByteTokenizer(mc.vocab_size), max_queue=args.max_queue).start()
+                    tokenizer, max_queue=args.max_queue).start()
     app = build_app(engine, model_name=args.model_name)
     print(f"serving on http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="off"))

@@ -27,7 +27,7 @@ def parse(*argv):
     (("--max-queue", "0"), "--max-queue: must be >= 1, got 0"),
     (("--num-layers", "0"), "--num-layers: must be >= 1, got 0"),
     (("--seed", "-1"), "--seed: must be in [0, 2**32), got -1"),
-    (("--checkpoint", "/nonexistent"), "--checkpoint: checkpoint loading is not available"),
+    (("--checkpoint", "/nonexistent"), "--checkpoint: must be a folder holding config.json"),
 ])
 def test_bad_flag_exits_2_naming_flag_and_bound(argv, message, capsys):
     assert run_serve(parse(*argv)) == 2
@@ -42,3 +42,35 @@ def test_defaults_and_derived_sizes():
     sizes, pages = check_serve_args(parse("--max-num-batched-tokens", "100", "--num-pages", "40",
                                           "--max-model-len", "512"))
     assert sizes == (16, 64, 100) and pages == 40
+
+
+def test_checkpoint_model_is_what_the_loader_gives(tmp_path):
+    """--checkpoint serves the folder's config and weights (byte tokenizer without a
+    tokenizer.json); a folder whose weights do not match its config is refused, naming
+    --checkpoint."""
+    import chex
+    import jax
+
+    from _checkpoint_writer import write_checkpoint
+    from jax_msa_runner.config import ModelConfig
+    from jax_msa_runner.model import init_params
+    from jax_msa_runner.serve_cli import FlagError, build_model
+    from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
+
+    cfg = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), hidden_size=64,
+                           vocab_size=300, intermediate_size=96, moe_intermediate_size=32,
+                           shared_intermediate_size=32)
+    params = init_params(cfg, seed=3)
+    write_checkpoint(tmp_path, params, cfg, scheme="transformers")
+    mc, loaded, tok = build_model(parse("--checkpoint", str(tmp_path), "--dtype", "float32"))
+    assert (mc.num_layers, mc.hidden_size, mc.vocab_size) == (2, 64, 300)
+    assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 300
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x.astype("float32"), loaded),
+                                jax.tree.map(lambda x: x.astype("float32"), params))
+    bad = tmp_path / "bad"
+    write_checkpoint(bad, init_params(ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1),
+                                                        hidden_size=32), seed=0),
+                     ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), hidden_size=32))
+    (bad / "config.json").write_text((tmp_path / "config.json").read_text())
+    with pytest.raises(FlagError, match="^--checkpoint: cannot serve"):
+        build_model(parse("--checkpoint", str(bad)))
