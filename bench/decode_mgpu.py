@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-import _common  # noqa: F401  (first: the repository on sys.path, the known warning filtered)
+import _common  # noqa: F401  (imported first for its preamble: repository on sys.path, one warning filter)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _common import (hlo_kernel_count, non_negative_int, positive_int,  # noqa: E402

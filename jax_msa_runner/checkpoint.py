@@ -29,7 +29,6 @@ import re
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_msa_runner.config import ModelConfig
