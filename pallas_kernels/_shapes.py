@@ -4,6 +4,7 @@ from jax.experimental import pallas as pl
 PAGE_SIZE = 128  # tokens per KV page == MSA sparse block == index-K page
 TOPK = 16  # pages selected per (token, KV head)
 MIN_DOT = 16  # Triton dots need M, N, K >= 16
+SMEM_BYTES = 227 * 1024  # shared memory one block (CTA) may use on an H200 (Hopper) SM
 
 NUM_SMS_H200 = 132  # streaming multiprocessors of an H200: grids are sized to fill them
 

@@ -41,12 +41,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._interpret import resolve_interpret
-from pallas_kernels._shapes import MIN_DOT, NUM_SMS_H200, PAGE_SIZE, TOPK, next_pow2, whole_block
+from pallas_kernels._shapes import (MIN_DOT, NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK, next_pow2,
+                                    whole_block)
 
 MAX_GROUP_ROWS = 128  # padded GQA group rows of one program (register budget)
 FILL_PROGRAMS = 256  # below ONE_SPLIT_ROWS: smallest splits with T * Hkv * splits >= this
 ONE_SPLIT_ROWS = 64  # T * Hkv at and above which one split (no merge) is the default
-SMEM_BYTES = 227 * 1024  # shared memory per block of an H200 (Hopper) SM
 SMEM_SCRATCH = 16 * 1024  # layout conversions and reductions beside the K/V buffers
 KEYS_PER_STEP = (64, 128)  # keys of one decode loop step (one pipeline stage)
 V_MASKS = ("select", "load")  # how V's invalid rows become 0: select after the load, masked load

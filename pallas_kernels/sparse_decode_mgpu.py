@@ -36,14 +36,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._shapes import PAGE_SIZE, TOPK
+from pallas_kernels._shapes import PAGE_SIZE, SMEM_BYTES, TOPK
 from pallas_kernels.sparse_decode import validate_inputs
 
 ROWS = 64  # wgmma M of one warpgroup: the GQA group is padded to this many dot rows
 SPLITS = (1, 2, 4, 8)  # cluster sizes (8 is the portable maximum)
 STAGES = (1, 2, 3)
 HEAD_DIMS = (64, 128)  # multiples of the 64-element (128-byte) swizzle tile; register budget
-SMEM_BYTES = 227 * 1024  # H200 shared memory per CTA
 SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
 FILL_CTAS = 128  # default splits: smallest power of two with rows * splits >= this (max 8)
 LOG2E = math.log2(math.e)

@@ -1,4 +1,4 @@
-"""DCP helpers (spec section 7): ownership, local lengths, interleaved slot mapping."""
+"""DCP helpers: ownership, local lengths, interleaved slot mapping."""
 import chex
 import jax
 import jax.numpy as jnp

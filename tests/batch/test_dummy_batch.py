@@ -1,4 +1,4 @@
-"""Dummy batches (spec section 6): reference cases, negative controls, every kind x bucket."""
+"""Dummy batches (docs/DESIGN.md, "Dummy batches"): reference cases, negative controls, every kind x bucket."""
 import chex
 import jax
 import numpy as np

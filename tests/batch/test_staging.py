@@ -20,7 +20,7 @@ CFG_SMALL = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=16, bucket_sizes
 
 
 def reference_metadata(sched, comp, rows, bucket, config):
-    """Plain-loop numpy reference of the staged metadata (spec section 6/7)."""
+    """Plain-loop numpy reference of the staged metadata (docs/DESIGN.md, "Batch metadata" and "Decode context parallelism")."""
     T, R, P = bucket
     W, page = config.dcp_world_size, config.page_size
     ref = {k: np.zeros((R,), np.int32) for k in ("seq_lens", "num_computed_tokens",

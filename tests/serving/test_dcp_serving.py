@@ -1,4 +1,4 @@
-"""Serving with decode context parallelism (spec section 7) on the conftest's 4 host devices.
+"""Serving with decode context parallelism on the conftest's 4 host devices.
 
 The same greedy workload is served by the single-device runner and by DCP runners over
 W = 2 and 4 devices (one prompt > 2048 tokens, so the top-16 selection drops blocks and
