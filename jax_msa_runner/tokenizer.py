@@ -4,9 +4,10 @@
 None for a folder without tokenizer files, and raises ValueError for one with other
 tokenizer files only. The result has the interface of ``serving.tokenizer_io.Tokenizer``
 (``encode``, ``decode``, ``token_str``, ``apply_chat_template``, ``vocab_size``,
-``eos_token_ids``); chat templates (Jinja) are not rendered: ``apply_chat_template`` raises
-ValueError. The
-end-of-sequence ids come from ``generation_config.json``, else ``config.json`` (or its
+``eos_token_ids``). ``apply_chat_template`` renders the folder's Jinja chat template
+(``chat_template`` in ``tokenizer_config.json``, or ``chat_template.jinja``) in a sandbox, with
+the generation prompt added; without one it raises ValueError. The end-of-sequence ids come
+from ``generation_config.json``, else ``config.json`` (or its
 ``text_config``), else the tokenizer's ``eos_token`` in ``tokenizer_config.json``.
 """
 from __future__ import annotations
@@ -34,6 +35,8 @@ class TextTokenizer:
     known: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    chat_template: str | None = None  # Jinja source, None: the folder has none
+    special_tokens: tuple[tuple[str, str], ...] = ()  # (name, text), e.g. ("bos_token", "<s>")
 
     def _check(self, token_id: int) -> int:
         if not 0 <= int(token_id) < self.vocab_size:
@@ -63,7 +66,24 @@ class TextTokenizer:
         return f"<|{t}|>" if piece is None else piece
 
     def apply_chat_template(self, messages) -> str:
-        raise ValueError("this tokenizer has no chat template the runner can render")
+        """The prompt text of ``messages`` (dicts with role and content), ending with the
+        template's generation prompt. ValueError without a template or when it raises."""
+        if self.chat_template is None:
+            raise ValueError("this checkpoint has no chat template (chat_template in "
+                             "tokenizer_config.json or chat_template.jinja)")
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"the chat template refused the messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=list(messages), add_generation_prompt=True, **dict(self.special_tokens))
+        except TemplateError as e:
+            raise ValueError(f"the chat template failed: {e}") from None
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -94,6 +114,31 @@ def _eos_ids(folder: str, token_to_id: Callable[[str], int | None]) -> tuple[int
     return () if tid is None else (int(tid),)
 
 
+def _chat_template(folder: str, config: dict[str, Any]) -> str | None:
+    """The folder's Jinja chat template: tokenizer_config's ``chat_template`` (a string, or
+    a list of {name, template} of which "default" is taken), else ``chat_template.jinja``."""
+    tpl = config.get("chat_template")
+    if isinstance(tpl, list):
+        tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+    path = os.path.join(folder, "chat_template.jinja")
+    if tpl is None and os.path.exists(path):
+        with open(path) as f:
+            tpl = f.read()
+    return tpl if isinstance(tpl, str) else None
+
+
+def _special_tokens(config: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """(name, text) of tokenizer_config's bos/eos/pad/unk tokens (strings or {content})."""
+    out = []
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out.append((name, value))
+    return tuple(out)
+
+
 def load_tokenizer(folder: str | os.PathLike, vocab_size: int | None = None
                    ) -> TextTokenizer | None:
     """The folder's tokenizer, or None when it has no tokenizer files.
@@ -106,6 +151,7 @@ def load_tokenizer(folder: str | os.PathLike, vocab_size: int | None = None
     if os.path.exists(path):
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(path)
+        config = _read_json(os.path.join(folder, "tokenizer_config.json"))
         known = tok.get_vocab_size(with_added_tokens=True)
         if vocab_size is not None and known > vocab_size:
             raise ValueError(f"{path}: {known} tokens, more than the model's vocab_size="
@@ -115,7 +161,8 @@ def load_tokenizer(folder: str | os.PathLike, vocab_size: int | None = None
             decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
             id_to_token=tok.id_to_token, known=known,
             vocab_size=known if vocab_size is None else int(vocab_size),
-            eos_token_ids=_eos_ids(folder, tok.token_to_id))
+            eos_token_ids=_eos_ids(folder, tok.token_to_id),
+            chat_template=_chat_template(folder, config), special_tokens=_special_tokens(config))
     present = [n for n in TOKENIZER_FILES if os.path.exists(os.path.join(folder, n))]
     if not present:
         return None

@@ -222,6 +222,20 @@ def test_tokenizer_round_trip(tmp_path):
         tok.decode([1, 300])
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
+                "{{ raise_exception('no tools') }}{% endif %}[{{ m['role'] }}]{{ m['content'] }}"
+                "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<eos>", "bos_token": {"content": "<s>"}, "chat_template": template}))
+    chat = load_tokenizer(tmp_path)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert chat.apply_chat_template(msgs) == "<s>[system]be brief<eos>[user]hi<eos>[assistant]"
+    with pytest.raises(ValueError, match="refused the messages: no tools"):
+        chat.apply_chat_template([{"role": "tool", "content": "x"}])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}|")
+    assert load_tokenizer(tmp_path).apply_chat_template(msgs) == "be brief|"
+    os.remove(tmp_path / "chat_template.jinja")
     padded = load_tokenizer(tmp_path, vocab_size=TEXT_CFG.vocab_size)  # model vocab 320
     assert padded.vocab_size == 320 and padded.encode("hello") == tok.encode("hello")
     hello = tok.encode("hello")

@@ -92,14 +92,3 @@ def write_index_k(index_cache: jax.Array, index_k: jax.Array, slot_mapping: jax.
 # Stand-alone in-place writers (the runner's step does the same inside its own jit).
 write_kv_donated = jax.jit(write_kv, donate_argnums=0)
 write_index_k_donated = jax.jit(write_index_k, donate_argnums=0)
-
-
-def kv_cache_bytes_per_page(num_kv_heads: int, head_dim: int, index_dim: int,
-                            layer_is_msa: Sequence[bool], itemsize: int,
-                            index_itemsize: int | None = None) -> int:
-    """Bytes one page costs summed over all layers (index-K itemsize: ``itemsize`` if None)."""
-    per_layer = num_kv_heads * PAGE_SIZE * 2 * head_dim * itemsize
-    index = PAGE_SIZE * index_dim * (itemsize if index_itemsize is None else index_itemsize)
-    return sum(per_layer + (index if msa else 0) for msa in layer_is_msa)
-
-

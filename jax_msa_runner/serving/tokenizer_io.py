@@ -4,7 +4,7 @@ model, and the incremental text of a generated token stream (with stop strings).
 ``Tokenizer`` is what the server needs of a tokenizer: ``encode(str) -> ids``,
 ``decode(ids) -> str`` (for every id below ``vocab_size``, which equals the model's),
 ``token_str(id)`` (a printable piece, distinct for every id: the keys of top logprobs),
-``apply_chat_template(messages) -> str`` (raises ``NoChatTemplateError`` where there is
+``apply_chat_template(messages) -> str`` (raises ``ValueError`` where there is
 none), ``vocab_size`` and ``eos_token_ids`` (ids that end a generation; may be empty). A
 checkpoint's own tokenizer plugs into the same interface.
 
@@ -28,10 +28,6 @@ from typing import Mapping, Protocol, Sequence
 NUM_BYTES = 256
 REPLACEMENT = "\ufffd"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class NoChatTemplateError(ValueError):
-    """The tokenizer has no chat template."""
 
 
 class Tokenizer(Protocol):
