@@ -56,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--model-config", default=None, metavar="FILE",
+                   help="serve random weights at this config.json's shapes (default: the tiny "
+                        "model); with --num-layers to keep the first layers")
     p.add_argument("--attention-impl", choices=("pallas", "reference"), default=None)
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
     args = p.parse_args(argv)
@@ -84,6 +87,8 @@ def server_flags(args) -> list[str]:
         flags += ["--num-layers", str(args.num_layers)]
     if args.attention_impl is not None:
         flags += ["--attention-impl", args.attention_impl]
+    if args.model_config is not None:
+        flags += ["--model-config", args.model_config]
     return flags
 
 
@@ -277,23 +282,20 @@ async def bench_http(args, rng) -> list[dict]:
 
 
 async def bench_engine(args, rng) -> list[dict]:
-    from jax_msa_runner.config import ModelConfig, RunnerConfig, SchedulerConfig
-    from jax_msa_runner.serve_cli import add_serve_args, check_serve_args
+    from jax_msa_runner.config import RunnerConfig, SchedulerConfig
+    from jax_msa_runner.serve_cli import add_serve_args, build_model, check_serve_args
     from jax_msa_runner.serving.engine import Engine
     from jax_msa_runner.serving.runner import ModelRunner
-    from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
 
     sargs = add_serve_args(argparse.ArgumentParser()).parse_args(server_flags(args))
     sizes, pages = check_serve_args(sargs)
-    layers = {} if args.num_layers is None else dict(
-        num_layers=args.num_layers, sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1))
-    mc = ModelConfig.tiny(**layers)
+    mc, _, tokenizer = build_model(sargs)
     rc = RunnerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=args.max_model_len, bucket_sizes=sizes)
     runner = ModelRunner(mc, rc, num_pages=pages, seed=args.seed, attention_impl=args.attention_impl)
     rep = runner.warm_up()
     print(f"warm-up {rep.compile_seconds:.1f}s, {len(rep.buckets)} buckets", flush=True)
-    engine = Engine(runner, SchedulerConfig.from_runner(rc, pages), ByteTokenizer(mc.vocab_size),
+    engine = Engine(runner, SchedulerConfig.from_runner(rc, pages), tokenizer,
                     max_queue=max(args.levels) * 2 + 16).start()
     try:
         def metrics():

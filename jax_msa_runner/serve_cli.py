@@ -28,8 +28,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("serve")
     g.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="serve this Hugging Face checkpoint folder instead of the tiny model")
+    g.add_argument("--model-config", default=None, metavar="FILE",
+                   help="serve random weights (from --seed) at the shapes of this config.json "
+                        "(e.g. the real MiniMax-M3's, with --num-layers to keep the first few)")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="model dtype with --checkpoint")
+                   help="model dtype with --checkpoint or --model-config")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
@@ -83,6 +86,11 @@ def check_serve_args(args) -> tuple[tuple[int, ...], int]:
     if args.checkpoint is not None:
         need(os.path.isfile(os.path.join(args.checkpoint, "config.json")), "--checkpoint",
              "a folder holding config.json", args.checkpoint)
+        need(args.model_config is None, "--model-config", "left out with --checkpoint",
+             args.model_config)
+    if args.model_config is not None:
+        need(os.path.isfile(args.model_config), "--model-config", "an existing config.json file",
+             args.model_config)
     need(bool(args.host.strip()), "--host", "a non-empty host name or address", args.host)
     need(1 <= args.port <= 65535, "--port", "in [1, 65535]", args.port)
     need(bool(args.model_name.strip()), "--model-name", "non-empty", args.model_name)
@@ -112,6 +120,14 @@ def build_model(args: argparse.Namespace):
     from jax_msa_runner.config import ModelConfig
     from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
 
+    if args.model_config is not None:
+        from jax_msa_runner.config import ConfigError
+        try:
+            mc = ModelConfig.from_hf_config(args.model_config, num_layers=args.num_layers,
+                                            dtype=args.dtype)
+        except (ConfigError, ValueError, OSError) as e:
+            raise FlagError(f"--model-config: cannot read {args.model_config!r}: {e}") from None
+        return mc, None, ByteTokenizer(mc.vocab_size)
     if args.checkpoint is None:
         layers = {} if args.num_layers is None else dict(
             num_layers=args.num_layers,

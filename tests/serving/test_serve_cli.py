@@ -1,6 +1,7 @@
 """`jax-msa-runner serve` flags: each bad one is named with its bound on one line, exit 2,
 before anything is built."""
 import argparse
+import os
 
 import pytest
 
@@ -74,3 +75,23 @@ def test_checkpoint_model_is_what_the_loader_gives(tmp_path):
     (bad / "config.json").write_text((tmp_path / "config.json").read_text())
     with pytest.raises(FlagError, match="^--checkpoint: cannot serve"):
         build_model(parse("--checkpoint", str(bad)))
+
+
+def test_model_config_serves_random_weights_at_its_shapes(tmp_path):
+    """--model-config: the config.json's shapes (truncated by --num-layers), random weights;
+    an unreadable file or one together with --checkpoint exits 2 naming the flag."""
+    import json
+
+    from jax_msa_runner.serve_cli import FlagError, build_model
+
+    m3 = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "configs", "minimax_m3.json")
+    mc, params, tok = build_model(parse("--model-config", m3, "--num-layers", "4"))
+    assert params is None and tok.vocab_size == mc.vocab_size == 200064
+    assert (mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads) == (4, 6144, 64, 4)
+    assert mc.layer_is_msa == (False, False, False, True) and mc.num_experts == 128
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(FlagError, match="^--model-config: cannot read"):
+        build_model(parse("--model-config", str(bad)))
+    assert run_serve(parse("--model-config", str(tmp_path / "missing.json"))) == 2
+    assert run_serve(parse("--model-config", m3, "--checkpoint", str(tmp_path))) == 2
