@@ -176,7 +176,8 @@ def run_serve(args: argparse.Namespace) -> int:
                       max_model_len=args.max_model_len, bucket_sizes=sizes)
     runner = ModelRunner(mc, rc, num_pages=num_pages, params=params, seed=args.seed,
                          attention_impl=args.attention_impl)
-    source = args.checkpoint or "tiny (random weights)"
+    source = args.checkpoint or (f"{args.model_config} (random weights)" if args.model_config
+                                 else "tiny (random weights)")
     print(f"model {args.model_name!r}: {source}, {mc.num_layers} layers, vocab {mc.vocab_size} "
           f"({type(tokenizer).__name__}); attention impl {runner.attention_impl}; buckets {list(sizes)}, "
           f"max_num_seqs {rc.max_num_seqs}, max_model_len {rc.max_model_len}, {num_pages} KV "
