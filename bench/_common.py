@@ -43,6 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
+from jax_msa_runner.flags import bounded_int  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 # Pallas keyword for this backend: compiled on a GPU, interpret mode elsewhere (CPU smoke runs).
@@ -315,26 +316,8 @@ def geomean(xs) -> float:
 
 # --------------------------------------------------------------------------- arguments, output
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (the error names the bound)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (the error names the bound)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+positive_int = bounded_int(1)  # argparse type: an integer >= 1 (the error names the bound)
+non_negative_int = bounded_int(0)  # argparse type: an integer >= 0
 
 
 def add_common_args(p: argparse.ArgumentParser, *, reps: int, trials: int,

@@ -43,7 +43,9 @@ def bounded_int(lo: int | None = None, hi: int | None = None) -> Callable[[str],
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"must be an integer{_bounds(lo, hi)[7:] if (lo, hi) != (None, None) else ''}, "
+                f"got {text!r}") from None
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             raise argparse.ArgumentTypeError(f"{_bounds(lo, hi)}, got {value}")
         return value

@@ -47,7 +47,7 @@ T = "jax-msa-runner: error: "
 BAD_FLAGS = [
     (["demo", "--dcp", "0"], D + "--dcp: must be >= 1, got 0"),
     (["demo", "--seed", "-1"], D + "--seed: must be >= 0, got -1"),
-    (["demo", "--seed", "x"], D + "--seed: must be an integer, got 'x'"),
+    (["demo", "--seed", "x"], D + "--seed: must be an integer >= 0, got 'x'"),
     (["demo", "--num-pages", "-1"], D + "--num-pages: must be >= 0, got -1"),
     (["demo", "--max-model-len", "-1"], D + "--max-model-len: must be >= 1, got -1"),
     (["demo", "--num-requests", "-1"], D + "--num-requests: must be >= 1, got -1"),
@@ -153,7 +153,7 @@ def test_flag_types_name_their_bounds():
     assert bounded_float(0.0)("0.5") == 0.5
     for parse, text, msg in [(bounded_int(1, 3), "4", "must be in [1, 3], got 4"),
                              (bounded_int(hi=3), "4", "must be <= 3, got 4"),
-                             (bounded_int(1), "1.5", "must be an integer, got '1.5'"),
+                             (bounded_int(1), "1.5", "must be an integer >= 1, got '1.5'"),
                              (bounded_float(0.0), "-0.5", "must be >= 0, got -0.5"),
                              (bounded_float(0.0), "x", "must be a number, got 'x'")]:
         with pytest.raises(argparse.ArgumentTypeError) as exc:
