@@ -44,9 +44,16 @@ from jax_msa_runner.serving.runner import pack_step_inputs, serve_step  # noqa: 
 from jax_msa_runner.serving.sampling import SamplingRows, init_penalty_state  # noqa: E402
 
 
-def real_config(tp: int, experts: int, small: bool = False) -> ModelConfig:
+def real_config(tp: int, experts: int, small: bool = False, layers: str = "both") -> ModelConfig:
     """Layer 0 dense + dense MLP, layer 1 MSA + MoE, at MiniMax-M3's per-rank shapes
-    (``small``: a CPU smoke-test size)."""
+    (``small``: a CPU smoke-test size); ``layers="msa"``: the MSA + MoE layer alone."""
+    mc = _real_config(tp, experts, small)
+    if layers == "msa":
+        mc = dataclasses.replace(mc, num_layers=1, sparse_attention_freq=(1,), moe_layer_freq=(1,))
+    return mc
+
+
+def _real_config(tp: int, experts: int, small: bool) -> ModelConfig:
     if small:
         return ModelConfig(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
                            num_kv_heads=1, head_dim=32, rotary_dim=16, index_dim=32,
@@ -96,7 +103,7 @@ def run_point(params, mc, batch, context, impl, iters):
 
 def moe_point(params, mc, batch, iters):
     """MoE MLP time (ms), bytes of weights it reads, and a same-bytes copy time (ms)."""
-    layer = params["layers"][1]
+    layer = params["layers"][-1]  # the MSA + MoE layer
     x = jax.random.normal(jax.random.key(batch), (batch, mc.hidden_size), jnp.float32).astype(mc.jnp_dtype)
     mask = jnp.ones((batch,), bool)
     fn = jax.jit(lambda lay, h: moe_mlp(lay, h, mask, mc)[0])
@@ -124,13 +131,16 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--impl", default=None, choices=("pallas", "reference"))
     ap.add_argument("--small", action="store_true", help="CPU smoke-test shapes")
+    ap.add_argument("--layers", choices=("both", "msa"), default="both",
+                    help="both: the dense layer and the MSA + MoE layer; msa: the MSA + MoE "
+                         "layer alone (the context-flatness target)")
     ap.add_argument("--ragged-dot", choices=("xla", "pallas"), default="xla",
                     help="lowering of jax.lax.ragged_dot on the GPU: XLA's ragged-dot "
                          "instruction (default) or jax's Pallas-Triton grouped matmul")
     args = ap.parse_args(argv)
     jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", args.ragged_dot == "pallas")
     impl = args.impl or default_attention_impl()
-    mc = real_config(args.tp, args.experts, args.small)
+    mc = real_config(args.tp, args.experts, args.small, args.layers)
     params = init_params(mc, seed=0)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -164,6 +174,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "real_layer.json"), "w") as f:
         json.dump({"device": dev.device_kind, "jax": jax.__version__, "impl": impl, "tp": args.tp,
+                   "layers": args.layers,
                    "ragged_dot": args.ragged_dot,
                    "model": dataclasses.asdict(mc), "iters": args.iters, "results": rows,
                    "copy_note": "copy GB/s counts read + write bytes of a same-bytes copy"}, f,
