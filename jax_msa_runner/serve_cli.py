@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from jax_msa_runner.config import RESERVED_PAGES
+from jax_msa_runner.mesh_flags import add_mesh_args
 from jax_msa_runner.serving.kv_cache import pages_needed
 
 DEFAULT_MODEL_NAME = "jax-msa-tiny"
@@ -45,6 +46,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="override the tiny model's layer count (layer 0 dense, others MSA)")
     g.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level")
+    add_mesh_args(g)
     return parser
 
 
@@ -96,7 +98,29 @@ def check_serve_args(args) -> tuple[tuple[int, ...], int]:
     need(0 <= args.seed < 2**32, "--seed", "in [0, 2**32)", args.seed)
     pages = args.num_pages or len(RESERVED_PAGES) + args.max_num_seqs * pages_needed(
         args.max_model_len)
+    _check_mesh(args)
     return sizes, pages
+
+
+def tiny_model(args):
+    """The served tiny ModelConfig (``--num-layers`` applied)."""
+    from jax_msa_runner.config import ModelConfig
+
+    layers = {} if args.num_layers is None else dict(
+        num_layers=args.num_layers, sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1))
+    return ModelConfig.tiny(**layers)
+
+
+def _check_mesh(args) -> None:
+    """--tp / --ep against the tiny model and the devices (asks for host devices first)."""
+    from jax_msa_runner import flags, mesh_flags
+    from jax_msa_runner.demo import request_host_devices
+
+    request_host_devices(args.tp * args.ep)
+    try:
+        mesh_flags.check_mesh_flags(tiny_model(args), args.tp, args.ep)
+    except flags.FlagError as e:
+        raise FlagError(str(e).removeprefix("argument ")) from None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -120,12 +144,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: --host/--port: cannot listen on {args.host}:{args.port}: {e}",
               file=sys.stderr)
         return 2
-    layers = {} if args.num_layers is None else dict(
-        num_layers=args.num_layers, sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1))
-    mc = ModelConfig.tiny(**layers)
+    mc = tiny_model(args)
     rc = RunnerConfig(max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
-                      max_model_len=args.max_model_len, bucket_sizes=sizes)
+                      max_model_len=args.max_model_len, bucket_sizes=sizes,
+                      tp_size=args.tp, ep_size=args.ep)
     runner = ModelRunner(mc, rc, num_pages=num_pages, seed=args.seed,
                          attention_impl=args.attention_impl)
     print(f"model {args.model_name!r}: tiny, {mc.num_layers} layers, vocab {mc.vocab_size} "

@@ -57,7 +57,13 @@ def check_parallel(mconfig: ModelConfig, rconfig: RunnerConfig,
                    num_devices: int | None = None) -> None:
     """ConfigError naming the field and bound unless TP/EP divide the model's shapes and
     dcp_world_size * tp_size * ep_size ranks fit on the devices."""
-    tp, ep = rconfig.tp_size, rconfig.ep_size
+    check_mesh_shape(mconfig, rconfig.dcp_world_size, rconfig.tp_size, rconfig.ep_size,
+                     num_devices)
+
+
+def check_mesh_shape(mconfig: ModelConfig, dcp: int, tp: int, ep: int,
+                     num_devices: int | None = None) -> None:
+    """``check_parallel`` on plain sizes (num_devices None: ``len(jax.devices())``)."""
     c = mconfig
     for name in ("num_heads", "num_kv_heads", "vocab_size"):
         if getattr(c, name) % tp:
@@ -73,23 +79,26 @@ def check_parallel(mconfig: ModelConfig, rconfig: RunnerConfig,
         if c.num_experts % ep:
             raise ConfigError(f"ep_size: {ep} must divide num_experts={c.num_experts}")
     n = len(jax.devices()) if num_devices is None else num_devices
-    ranks = rconfig.dcp_world_size * tp * ep
+    ranks = dcp * tp * ep
     if ranks > n:
-        raise ConfigError(f"tp_size: dcp_world_size * tp_size * ep_size = "
-                          f"{rconfig.dcp_world_size} * {tp} * {ep} = {ranks} ranks need {ranks} "
-                          f"devices, only {n} available")
+        raise ConfigError(f"tp_size: dcp_world_size * tp_size * ep_size = {dcp} * {tp} * {ep} = "
+                          f"{ranks} ranks need {ranks} devices, only {n} available")
+
+
+def model_mesh(dcp: int, tp: int, ep: int, devices=None) -> Mesh:
+    """The ("dcp", "tensor", "expert") mesh of shape (dcp, tp, ep) over the first dcp*tp*ep
+    devices (ConfigError when there are fewer)."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = dcp * tp * ep
+    if n > len(devices):
+        raise ConfigError(f"tp_size: dcp_world_size * tp_size * ep_size = {dcp} * {tp} * {ep} = "
+                          f"{n} ranks need {n} devices, only {len(devices)} available")
+    return Mesh(np.asarray(devices[:n]).reshape(dcp, tp, ep), MESH_AXES)
 
 
 def make_model_mesh(rconfig: RunnerConfig, devices=None) -> Mesh:
-    """The ("dcp", "tensor", "expert") mesh of shape (W, TP, EP) over the first W*TP*EP
-    devices (ConfigError when there are fewer)."""
-    devices = list(jax.devices() if devices is None else devices)
-    shape = (rconfig.dcp_world_size, rconfig.tp_size, rconfig.ep_size)
-    n = int(np.prod(shape))
-    if n > len(devices):
-        raise ConfigError(f"tp_size: dcp_world_size * tp_size * ep_size = {n} ranks need {n} "
-                          f"devices, only {len(devices)} available")
-    return Mesh(np.asarray(devices[:n]).reshape(shape), MESH_AXES)
+    """``model_mesh`` of the config's (dcp_world_size, tp_size, ep_size)."""
+    return model_mesh(rconfig.dcp_world_size, rconfig.tp_size, rconfig.ep_size, devices)
 
 
 def step_mesh(rconfig: RunnerConfig, mconfig: ModelConfig | None = None) -> Mesh | None:
@@ -201,18 +210,20 @@ def param_putter(mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
 
 def place_params(params: dict, mesh: Mesh | None) -> dict:
     """Params on the default device, replicated over a DCP-only mesh, or sharded over the
-    3-D mesh (``put_param`` per leaf; names from the dict keys)."""
+    3-D mesh (``put_param`` per leaf; names from the dict keys). On the 3-D mesh a leaf that
+    already has exactly its ``param_spec`` sharding on ``mesh`` is taken to be in the TP
+    layout already (``checkpoint.load(put=param_putter(mesh))``) and kept as it is."""
     if mesh is None or TENSOR_AXIS not in mesh.shape:
         return replicate(params, mesh)
 
-    def placed(path, x):  # already on its shards (e.g. checkpoint.load(put=param_putter(mesh)))
-        want = NamedSharding(mesh, param_spec(_key_name(path[-1]), x.ndim))
-        return isinstance(x, jax.Array) and x.sharding.is_equivalent_to(want, x.ndim)
+    def place(path, x):
+        name = _key_name(path[-1])
+        want = NamedSharding(mesh, param_spec(name, x.ndim))
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(want, x.ndim):
+            return x
+        return put_param(name, jax.device_get(x), mesh)
 
-    if all(jax.tree.leaves(jax.tree_util.tree_map_with_path(placed, params))):
-        return params
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: put_param(_key_name(path[-1]), jax.device_get(x), mesh), params)
+    return jax.tree_util.tree_map_with_path(place, params)
 
 
 def param_bytes_per_device(params: dict) -> dict:
