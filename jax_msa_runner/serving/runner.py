@@ -229,7 +229,7 @@ class ModelRunner:
         jax.block_until_ready(nxt)
         profile_s = time.perf_counter() - t1
         validate_metadata(md, self.rconfig)
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         mem = self._compiled[big].memory_analysis()
         return WarmupReport(
             buckets=self.buckets, compile_seconds=compile_s, compilations=cc.count,
