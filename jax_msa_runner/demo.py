@@ -17,6 +17,10 @@ Every flag is checked before any work starts (``plan_demo``): a bad value exits 
 intermediate sizes and the vocabulary split over N, experts over M; a ``--checkpoint`` is
 loaded straight onto the shards); the same host-device rule applies.
 
+``--coordinator HOST:PORT --num-processes N --process-id I`` join N processes (one per host)
+with ``jax.distributed.initialize`` first; the mesh then spans every process's devices and
+each process runs the same seeded workload (SPMD).
+
 ``--dcp W`` serves with decode context parallelism over W devices: every request's context
 is split page-wise over the ranks, ``--num-pages`` counts pages per rank. On CPU the W
 devices are host devices: the demo adds ``--xla_force_host_platform_device_count=W`` to
@@ -38,7 +42,8 @@ from jax_msa_runner.batch.validate import MetadataInvariantError
 from jax_msa_runner.config import (DCP_INTERLEAVE, FP8_INDEX_CACHE_DTYPE, RESERVED_PAGES,
                                    ConfigError, ModelConfig, RunnerConfig, SchedulerConfig)
 from jax_msa_runner.flags import FlagError, FlagParser, bounded_float, bounded_int
-from jax_msa_runner.mesh_flags import (HOST_DEVICES_FLAG, add_mesh_args, check_mesh_flags,
+from jax_msa_runner.mesh_flags import (HOST_DEVICES_FLAG, add_distributed_args, add_mesh_args,
+                                       check_mesh_flags, init_distributed,
                                        load_checkpoint_sharded)
 from jax_msa_runner.serving.kv_cache import pages_needed
 from jax_msa_runner.serving.runner import ModelRunner, serve
@@ -97,6 +102,7 @@ def add_demo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="decode context parallel ranks (devices); on CPU host devices via "
                         "XLA_FLAGS=--xla_force_host_platform_device_count=W")
     add_mesh_args(g)
+    add_distributed_args(g)
     return parser
 
 
@@ -185,7 +191,9 @@ def plan_demo(args: argparse.Namespace) -> DemoPlan:
     """
     W = args.dcp
     params, tok = None, None
-    request_host_devices(W * args.tp * args.ep)  # before any weight reaches a device
+    if args.num_processes is None:
+        request_host_devices(W * args.tp * args.ep)  # before any weight reaches a device
+    init_distributed(args)  # multi-process: every process runs the same (seeded) workload
     if args.checkpoint is not None:
         mc, params, tok = _load_checkpoint(args)
     elif args.prompt:

@@ -21,6 +21,42 @@ def add_mesh_args(group) -> None:
                        help="expert-parallel ranks: the routed experts split over M devices")
 
 
+def add_distributed_args(group) -> None:
+    """Register ``--coordinator HOST:PORT --num-processes N --process-id I`` (all or none):
+    one process per host, joined by ``jax.distributed.initialize``."""
+    group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="multi-process run: address of process 0's coordinator")
+    group.add_argument("--num-processes", type=bounded_int(1), default=None, metavar="N",
+                       help="multi-process run: number of processes (one per host)")
+    group.add_argument("--process-id", type=bounded_int(0), default=None, metavar="I",
+                       help="multi-process run: this process's index in [0, N)")
+
+
+def init_distributed(args) -> None:
+    """``jax.distributed.initialize`` from the flags of ``add_distributed_args`` (nothing
+    when none is given; gloo collectives on CPU). Must run before jax touches a device.
+    FlagError naming the flag unless all three are given and process id < N."""
+    given = [args.coordinator is not None, args.num_processes is not None,
+             args.process_id is not None]
+    if not any(given):
+        return
+    if not all(given):
+        raise FlagError("--coordinator/--num-processes/--process-id",
+                        "give all three for a multi-process run, or none")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise FlagError("--coordinator", f"must be HOST:PORT with a port in [1, 65535], got "
+                                         f"{args.coordinator!r}")
+    if args.process_id >= args.num_processes:
+        raise FlagError("--process-id", f"must be in [0, --num-processes={args.num_processes}), "
+                                        f"got {args.process_id}")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.num_processes, process_id=args.process_id)
+
+
 def check_mesh_flags(mconfig: ModelConfig, tp: int, ep: int, dcp: int = 1) -> None:
     """FlagError (``--tp`` / ``--ep``) unless the mesh fits the model and the devices."""
     from jax_msa_runner.attention.parallel import check_mesh_shape
@@ -55,4 +91,4 @@ def load_checkpoint_sharded(path: str, *, dtype: str, num_layers: int | None, tp
                 put=param_putter(model_mesh(dcp, tp, ep)))
 
 
-__all__ = ["HOST_DEVICES_FLAG", "add_mesh_args", "check_mesh_flags", "load_checkpoint_sharded"]
+__all__ = ["HOST_DEVICES_FLAG", "add_mesh_args", "add_distributed_args", "init_distributed", "check_mesh_flags", "load_checkpoint_sharded"]

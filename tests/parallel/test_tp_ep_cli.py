@@ -127,3 +127,17 @@ def test_checkpoint_lands_on_its_shards_and_logits_equal_one_device(tmp_path, ca
     for mesh, got in outs.items():
         assert got.shape == (300, CFG.vocab_size)
         np.testing.assert_allclose(got, outs[("1", "1")], atol=1e-4, rtol=0, err_msg=str(mesh))
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--coordinator", "h:1"], "argument --coordinator/--num-processes/--process-id: give all "
+                               "three for a multi-process run, or none"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"],
+     "argument --process-id: must be in [0, --num-processes=2), got 2"),
+    (["--coordinator", "h", "--num-processes", "2", "--process-id", "0"],
+     "argument --coordinator: must be HOST:PORT with a port in [1, 65535], got 'h'"),
+    (["--num-processes", "0"], "argument --num-processes: must be >= 1, got 0"),
+])
+def test_demo_bad_distributed_flags_are_refused(flags, expected, capsys, no_work):
+    line = _refused(["demo", "--num-requests", "2", *flags], capsys)
+    assert line == f"jax-msa-runner demo: error: {expected}", line
