@@ -151,6 +151,9 @@ class ModelRunner:
 
     num_pages: KV pages of the cache (per rank under DCP). With rconfig.dcp_world_size W > 1
     the runner serves over the first W devices (``mesh``); raises DCPError when fewer exist.
+    With rconfig.tp_size N or ep_size M > 1 it serves over W * N * M devices on the
+    ("dcp", "tensor", "expert") mesh, params and caches sharded (``attention.parallel``);
+    ConfigError when the model's heads / sizes / experts do not divide or devices are short.
     interpret: Pallas interpret mode; default True exactly for attention_impl "pallas" off
     the GPU. ``last_logits`` holds the latest step's logits f32 [R_bucket, V] (on device;
     with all_token_logits, [T_bucket, V]: one row per token of the step);
