@@ -57,6 +57,7 @@ CANONICAL_TO_RELEASED = (
 )
 
 ShardingFn = Callable[[str, tuple[int, ...]], "jax.sharding.Sharding | None"]
+PutFn = Callable[[str, np.ndarray], "jax.Array"]
 
 
 class CheckpointError(ValueError):
@@ -209,13 +210,16 @@ def _canonical(rest: str) -> str:
 # ---- the loader ------------------------------------------------------------------------------
 
 def load(path: str | os.PathLike, *, dtype: str = "bfloat16", sharding: ShardingFn | None = None,
-         num_layers: int | None = None) -> tuple[ModelConfig, dict]:
+         num_layers: int | None = None, put: PutFn | None = None) -> tuple[ModelConfig, dict]:
     """Read a checkpoint folder: returns (ModelConfig, params).
 
     dtype: the model dtype ("float32" or "bfloat16"); the router weight and bias stay f32.
     sharding: optional ``sharding(param_path, shape) -> Sharding | None`` (param paths like
     ``"embed"``, ``"layers.3.experts_gate_up"``); None places a param on the default device.
     num_layers: keep only the first layers (the rest of the stack is skipped).
+    put: optional ``put(param_path, host array) -> jax.Array`` used instead of ``sharding``
+    (e.g. ``attention.parallel.param_putter(mesh)``: each device receives only its shard,
+    gate|up params in the tensor-parallel layout).
     Raises CheckpointError naming the file or key on a missing, unexpected or mis-shaped
     weight and on a truncated or unreadable shard; ConfigError on a bad ``config.json``.
     """
@@ -338,8 +342,11 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", sharding: Sharding
                 return np.asarray(sl[expert] if expert is not None else sl[:])
             host = np.empty(spec.shape, spec.dtype)
             form.fill(host, read)
-            target = sharding(pname, tuple(spec.shape)) if sharding is not None else None
-            flat[pname] = jax.device_put(host, target)
+            if put is not None:
+                flat[pname] = put(pname, host)
+            else:
+                target = sharding(pname, tuple(spec.shape)) if sharding is not None else None
+                flat[pname] = jax.device_put(host, target)
             del host
     params = {"embed": flat["embed"], "final_norm": flat["final_norm"],
               "layers": tuple({name: flat[f"layers.{i}.{name}"] for name in layer}

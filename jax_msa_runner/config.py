@@ -319,6 +319,8 @@ class RunnerConfig:
     dcp_world_size: int = 1
     dcp_interleave: int = DCP_INTERLEAVE
     page_size: int = PAGE_SIZE
+    tp_size: int = 1  # tensor-parallel ranks (mesh axis "tensor")
+    ep_size: int = 1  # expert-parallel ranks (mesh axis "expert")
 
     def __post_init__(self):
         object.__setattr__(self, "bucket_sizes", tuple(sorted(set(int(b) for b in self.bucket_sizes))))
@@ -338,6 +340,8 @@ class RunnerConfig:
                  f"max_num_batched_tokens={self.max_num_batched_tokens}")
         require(self.dcp_world_size >= 1, "dcp_world_size",
                  f"must be >= 1, got {self.dcp_world_size}")
+        require(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
+        require(self.ep_size >= 1, "ep_size", f"must be >= 1, got {self.ep_size}")
         require(self.dcp_interleave == DCP_INTERLEAVE, "dcp_interleave",
                  f"MSA needs dcp_interleave == {DCP_INTERLEAVE} (one block per unit), "
                  f"got {self.dcp_interleave}")

@@ -13,6 +13,14 @@ outputs are printed as text.
 Every flag is checked before any work starts (``plan_demo``): a bad value exits with status
 2 and one line on stderr naming the flag and its bound.
 
+``--tp N --ep M`` serve on a (dcp, tensor, expert) mesh of W * N * M devices (heads, MLP
+intermediate sizes and the vocabulary split over N, experts over M; a ``--checkpoint`` is
+loaded straight onto the shards); the same host-device rule applies.
+
+``--coordinator HOST:PORT --num-processes N --process-id I`` join N processes (one per host)
+with ``jax.distributed.initialize`` first; the mesh then spans every process's devices and
+each process runs the same seeded workload (SPMD).
+
 ``--dcp W`` serves with decode context parallelism over W devices: every request's context
 is split page-wise over the ranks, ``--num-pages`` counts pages per rank. On CPU the W
 devices are host devices: the demo adds ``--xla_force_host_platform_device_count=W`` to
@@ -34,6 +42,8 @@ from jax_msa_runner.batch.validate import MetadataInvariantError
 from jax_msa_runner.config import (DCP_INTERLEAVE, FP8_INDEX_CACHE_DTYPE, RESERVED_PAGES,
                                    ConfigError, ModelConfig, RunnerConfig, SchedulerConfig)
 from jax_msa_runner.flags import FlagError, FlagParser, bounded_float, bounded_int
+from jax_msa_runner.mesh_flags import (HOST_DEVICES_FLAG, add_distributed_args, add_mesh_args,
+                                       check_mesh_flags, init_distributed)
 from jax_msa_runner.serving.kv_cache import pages_needed
 from jax_msa_runner.serving.runner import ModelRunner, serve
 from jax_msa_runner.serving.scheduler import Request, RequestRejectedError, Scheduler
@@ -90,10 +100,9 @@ def add_demo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dcp", type=bounded_int(1), default=1, metavar="W",
                    help="decode context parallel ranks (devices); on CPU host devices via "
                         "XLA_FLAGS=--xla_force_host_platform_device_count=W")
+    add_mesh_args(g)
+    add_distributed_args(g)
     return parser
-
-
-HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
 def request_host_devices(world_size: int) -> None:
@@ -181,6 +190,9 @@ def plan_demo(args: argparse.Namespace) -> DemoPlan:
     """
     W = args.dcp
     params, tok = None, None
+    if args.num_processes is None:
+        request_host_devices(W * args.tp * args.ep)  # before any weight reaches a device
+    init_distributed(args)  # multi-process: every process runs the same (seeded) workload
     if args.checkpoint is not None:
         mc, params, tok = _load_checkpoint(args)
     elif args.prompt:
@@ -214,7 +226,8 @@ def plan_demo(args: argparse.Namespace) -> DemoPlan:
         if params is None:
             mc = ModelConfig.tiny(index_cache_dtype=args.index_cache_dtype, **layers)
         rc = RunnerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-                          max_model_len=args.max_model_len, bucket_sizes=sizes, dcp_world_size=W)
+                          max_model_len=args.max_model_len, bucket_sizes=sizes, dcp_world_size=W,
+                          tp_size=args.tp, ep_size=args.ep)
     except ConfigError as e:  # not reachable with the checks above; kept one line all the same
         raise FlagError("--max-num-seqs/--max-num-batched-tokens/--max-model-len/--dcp/"
                         "--num-layers", str(e)) from None
@@ -235,12 +248,12 @@ def plan_demo(args: argparse.Namespace) -> DemoPlan:
             sched.add_request(r)
     except RequestRejectedError as e:  # not reachable with the checks above
         raise FlagError("--max-model-len/--output-len/--num-pages", str(e)) from None
-    request_host_devices(W)
     devices = jax.devices()
     if W > len(devices):
         raise FlagError("--dcp", f"{W} ranks need {W} devices, only {len(devices)} available "
                         f"({devices[0].platform}); on CPU start the process with "
                         f"XLA_FLAGS={HOST_DEVICES_FLAG}={W} (set before jax initialises)")
+    check_mesh_flags(mc, args.tp, args.ep, W)
     return DemoPlan(model=mc, runner=rc, num_pages=num_pages, requests=tuple(reqs),
                     scheduler=sched, seed=args.seed, attention_impl=args.attention_impl,
                     debug=args.debug, params=params, tokenizer=tok)
@@ -260,7 +273,10 @@ def run_demo(plan: DemoPlan) -> int:
     print(f"runner: {len(runner.buckets)} buckets {[b.num_tokens for b in runner.buckets]}, "
           f"max_num_seqs {rc.max_num_seqs}, max_model_len {rc.max_model_len}, {num_pages} KV pages"
           + (" per rank" if W > 1 else ""))
-    if W > 1:
+    if rc.tp_size * rc.ep_size > 1:
+        print(f"mesh: dcp {W} x tensor {rc.tp_size} x expert {rc.ep_size} over "
+              f"{runner.mesh.devices.size} devices")
+    elif W > 1:
         devs = runner.mesh.devices.ravel()
         print(f"dcp: {W} ranks over {[str(d) for d in devs]} (interleave {rc.dcp_interleave}: "
               f"block g on rank g % {W})")

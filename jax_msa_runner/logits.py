@@ -16,6 +16,7 @@ import numpy as np
 from jax_msa_runner.config import (RESERVED_PAGES, ConfigError, ModelConfig, RunnerConfig,
                                    SchedulerConfig)
 from jax_msa_runner.flags import FlagError, bounded_int
+from jax_msa_runner.mesh_flags import add_mesh_args, load_checkpoint_sharded
 
 
 def add_logits_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -32,6 +33,7 @@ def add_logits_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="prefill chunk: tokens per step (the one bucket), >= 1")
     parser.add_argument("--attention-impl", choices=("pallas", "reference"), default=None,
                         help="default: pallas on a GPU, reference elsewhere")
+    add_mesh_args(parser)
     return parser
 
 
@@ -56,10 +58,11 @@ def read_token_ids(path: str, vocab_size: int) -> np.ndarray:
 
 
 def prompt_logits(params: dict, mconfig: ModelConfig, token_ids: np.ndarray, *,
-                  max_num_batched_tokens: int = 512, attention_impl: str | None = None
-                  ) -> np.ndarray:
+                  max_num_batched_tokens: int = 512, attention_impl: str | None = None,
+                  tp: int = 1, ep: int = 1) -> np.ndarray:
     """Logits f32 [T, vocab] of every token of ``token_ids`` [T] from one prefill served
-    by the scheduler and a ModelRunner (chunked to ``max_num_batched_tokens`` per step)."""
+    by the scheduler and a ModelRunner (chunked to ``max_num_batched_tokens`` per step;
+    tp / ep: tensor / expert-parallel ranks)."""
     from jax_msa_runner.serving.kv_cache import pages_needed
     from jax_msa_runner.serving.runner import ModelRunner
     from jax_msa_runner.serving.scheduler import Request, Scheduler
@@ -67,7 +70,7 @@ def prompt_logits(params: dict, mconfig: ModelConfig, token_ids: np.ndarray, *,
     T = int(token_ids.shape[0])
     chunk = min(int(max_num_batched_tokens), T)
     rc = RunnerConfig(max_num_seqs=1, max_num_batched_tokens=chunk, max_model_len=T + 1,
-                      bucket_sizes=(chunk,))
+                      bucket_sizes=(chunk,), tp_size=tp, ep_size=ep)
     num_pages = len(RESERVED_PAGES) + pages_needed(T + 1, 1)
     runner = ModelRunner(mconfig, rc, num_pages=num_pages, params=params,
                          attention_impl=attention_impl, all_token_logits=True)
@@ -90,11 +93,14 @@ def prompt_logits(params: dict, mconfig: ModelConfig, token_ids: np.ndarray, *,
 def run_logits(args: argparse.Namespace) -> int:
     """Load, prefill, write ``args.out``; returns a process exit code. A bad checkpoint or
     prompt: one stderr line naming the flag and the bound, exit status 2."""
-    from jax_msa_runner.checkpoint import CheckpointError, load
+    from jax_msa_runner.checkpoint import CheckpointError
+    from jax_msa_runner.demo import request_host_devices
 
+    request_host_devices(args.tp * args.ep)
     try:
         try:
-            config, params = load(args.checkpoint, dtype=args.dtype)
+            config, params = load_checkpoint_sharded(args.checkpoint, dtype=args.dtype,
+                                                     num_layers=None, tp=args.tp, ep=args.ep)
         except (CheckpointError, ConfigError, OSError) as e:
             raise FlagError("--checkpoint", str(e)) from None
         ids = read_token_ids(args.token_ids, config.vocab_size)
@@ -102,7 +108,7 @@ def run_logits(args: argparse.Namespace) -> int:
         print(f"jax-msa-runner logits: error: {e}", file=sys.stderr)
         return 2
     logits = prompt_logits(params, config, ids, max_num_batched_tokens=args.max_num_batched_tokens,
-                           attention_impl=args.attention_impl)
+                           attention_impl=args.attention_impl, tp=args.tp, ep=args.ep)
     np.save(args.out, logits)
     print(f"wrote {args.out}: logits float32 {logits.shape} ({config.num_layers} layers, "
           f"{sum(config.layer_is_moe)} MoE, {sum(config.layer_is_msa)} MSA)")

@@ -16,7 +16,11 @@ layers use dense paged causal attention.
 
 Params and caches are pytrees; every shape is static per bucket. ``dcp_world_size`` is
 passed through to ``attention.layer``, the one place that treats decode context
-parallelism differently.
+parallelism differently. ``tp_size`` / ``ep_size`` > 1: the forward runs inside the step's
+shard_map over ``attention.parallel``'s 3-D mesh on this rank's param and cache shards
+(heads, intermediate sizes, experts and vocabulary split as that module describes); the
+partial results are summed with its collectives (``tensor_psum``, ``moe_psum``,
+``vocab_embed``, ``gather_vocab``), every rank ending with the same hidden states.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ import numpy as np
 from jax_msa_runner.attention.layer import (dense_layer_attention, msa_layer_attention,
                                             write_layer_caches)
 from jax_msa_runner.attention.paged_cache import KVCaches
+from jax_msa_runner.attention.parallel import (expert_offset, gather_vocab, moe_psum,
+                                               tensor_psum, vocab_embed)
 from jax_msa_runner.batch.metadata import BatchMetadata
 from jax_msa_runner.config import ModelConfig
 
@@ -186,32 +192,53 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, token_m
     tokens are sorted behind every group, outside ``group_sizes``: they cost no expert
     weights and come out as zeros. Returns [T, H] in x.dtype.
     """
+    return routed_experts_partial(x, weights, experts, token_mask, gate_up, down, alpha,
+                                  limit).astype(x.dtype)
+
+
+def routed_experts_partial(x: jax.Array, weights: jax.Array, experts: jax.Array,
+                           token_mask: jax.Array, gate_up: jax.Array, down: jax.Array,
+                           alpha: float, limit: float, first_expert=0) -> jax.Array:
+    """``routed_experts`` over the local experts ``[first_expert, first_expert + E_local)``
+    only (gate_up [E_local, H, 2I_local], down [E_local, I_local, H]): copies routed to
+    other experts are sorted behind every group like padding. Returns f32 [T, H], the
+    partial sum that the other ranks' partials complete."""
     T, k = experts.shape
     E = gate_up.shape[0]
-    flat = jnp.where(token_mask[:, None], experts, E).reshape(T * k)  # E: no expert
-    order = jnp.argsort(flat, stable=True)  # copies grouped by expert, padding last
+    local = experts - first_expert
+    mine = token_mask[:, None] & (local >= 0) & (local < E)
+    flat = jnp.where(mine, local, E).reshape(T * k)  # E: no (local) expert
+    order = jnp.argsort(flat, stable=True)  # copies grouped by expert, the rest last
     group_sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
     xs = x[order // k]  # [T*k, H]
     h = jax.lax.ragged_dot(xs, gate_up, group_sizes, preferred_element_type=jnp.float32)
     h = swigluoai(h, alpha, limit).astype(x.dtype)  # [T*k, I]
     y = jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32)
     unsorted = jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1)  # back to (token, slot)
-    out = jnp.einsum("tk,tkh->th", jnp.where(token_mask[:, None], weights, 0.0), unsorted)
-    return out.astype(x.dtype)
+    return jnp.einsum("tk,tkh->th", jnp.where(mine, weights, 0.0), unsorted)
 
 
-def moe_mlp(layer: dict, x: jax.Array, token_mask: jax.Array, config: ModelConfig
-            ) -> tuple[jax.Array, jax.Array]:
-    """MoE MLP of one layer: x [T, H] -> ([T, H], chosen experts [T, k] int32)."""
+def moe_mlp(layer: dict, x: jax.Array, token_mask: jax.Array, config: ModelConfig,
+            tp_size: int = 1, ep_size: int = 1) -> tuple[jax.Array, jax.Array]:
+    """MoE MLP of one layer: x [T, H] -> ([T, H], chosen experts [T, k] int32).
+
+    tp_size / ep_size > 1 (inside the step's shard_map): this rank's experts and
+    intermediate slices; every rank routes all (replicated) tokens, computes its local
+    experts, and the partial outputs are summed over "tensor" and "expert" (``moe_psum``);
+    the shared expert's over "tensor".
+    """
     c = config
     weights, experts, _ = route(x, layer["router"], layer.get("router_bias"),
                                 top_k=c.num_experts_per_tok,
                                 routed_scaling_factor=c.routed_scaling_factor)
-    out = routed_experts(x, weights, experts, token_mask, layer["experts_gate_up"],
-                         layer["experts_down"], c.swiglu_alpha, c.swiglu_limit)
+    gate_up = layer["experts_gate_up"]
+    part = routed_experts_partial(x, weights, experts, token_mask, gate_up,
+                                  layer["experts_down"], c.swiglu_alpha, c.swiglu_limit,
+                                  first_expert=expert_offset(gate_up.shape[0], ep_size))
+    out = moe_psum(part, tp_size, ep_size).astype(x.dtype)
     if c.shared_intermediate_size:
-        out = out + dense_mlp(x, layer["shared_gate_up"], layer["shared_down"], c.swiglu_alpha,
-                              c.swiglu_limit)
+        out = out + tensor_psum(dense_mlp(x, layer["shared_gate_up"], layer["shared_down"],
+                                          c.swiglu_alpha, c.swiglu_limit), tp_size)
     return out, experts
 
 
@@ -244,34 +271,36 @@ def _attention_block(layer: dict, x: jax.Array, kv_cache: jax.Array, index_cache
         attn = dense_layer_attention(q, kv_cache, md, scale=c.scale,
                                      dcp_world_size=dcp_world_size)
     out = attn.reshape(T, c.num_heads * c.head_dim) @ layer["o_proj"]
-    return out, kv_cache, index_cache
+    return out, kv_cache, index_cache  # under TP: this rank's heads' partial sum
 
 
 def forward_with_routing(params: dict, caches: KVCaches, token_ids: jax.Array,
                          md: BatchMetadata, *, config: ModelConfig,
                          attention_impl: str = "reference", attention_mode: str = "msa",
-                         dcp_world_size: int = 1, interpret: bool = False
+                         dcp_world_size: int = 1, interpret: bool = False,
+                         tp_size: int = 1, ep_size: int = 1
                          ) -> tuple[jax.Array, KVCaches, tuple[jax.Array | None, ...]]:
     """``forward`` that also returns each layer's chosen experts: a tuple with one entry per
     layer, int32 [T, k] on MoE layers (by descending biased score), None on dense-MLP layers."""
     c = config
-    x = params["embed"][token_ids]
+    ac = c.per_rank(tp_size) if tp_size > 1 else c  # this rank's attention heads
+    x = vocab_embed(params["embed"], token_ids, tp_size)
     cos, sin = rope_tables(md.positions, c.rotary_dim, c.rope_theta)
     new_kv, new_idx, routing = [], [], []
     for i, (layer, is_msa, is_moe) in enumerate(zip(params["layers"], c.layer_is_msa,
                                                      c.layer_is_moe)):
         h = gemma_rms_norm(x, layer["input_norm"], c.rms_norm_eps)
         attn, kv_i, idx_i = _attention_block(layer, h, caches.kv[i], caches.index_k[i], md, cos, sin,
-                                             config=c, is_msa=is_msa, attention_impl=attention_impl,
+                                             config=ac, is_msa=is_msa, attention_impl=attention_impl,
                                              attention_mode=attention_mode,
                                              dcp_world_size=dcp_world_size, interpret=interpret)
-        x = x + attn
+        x = x + tensor_psum(attn, tp_size)
         h = gemma_rms_norm(x, layer["post_attention_norm"], c.rms_norm_eps)
         if is_moe:
-            mlp, chosen = moe_mlp(layer, h, md.token_mask, c)
+            mlp, chosen = moe_mlp(layer, h, md.token_mask, c, tp_size, ep_size)
         else:
-            mlp, chosen = dense_mlp(h, layer["gate_up_proj"], layer["down_proj"], c.swiglu_alpha,
-                                    c.swiglu_limit), None
+            mlp, chosen = tensor_psum(dense_mlp(h, layer["gate_up_proj"], layer["down_proj"],
+                                                c.swiglu_alpha, c.swiglu_limit), tp_size), None
         x = x + mlp
         new_kv.append(kv_i)
         new_idx.append(idx_i)
@@ -283,22 +312,29 @@ def forward_with_routing(params: dict, caches: KVCaches, token_ids: jax.Array,
 def forward(params: dict, caches: KVCaches, token_ids: jax.Array, md: BatchMetadata, *,
             config: ModelConfig, attention_impl: str = "reference",
             attention_mode: str = "msa", dcp_world_size: int = 1,
-            interpret: bool = False) -> tuple[jax.Array, KVCaches]:
+            interpret: bool = False, tp_size: int = 1, ep_size: int = 1
+            ) -> tuple[jax.Array, KVCaches]:
     """Run the stack on one step's tokens, writing their K/V (and index K) into the caches.
 
     token_ids [T] int32 (padding arbitrary); md: the step's staged metadata.
     dcp_world_size (static) W > 1: call inside a shard_map over "dcp"; caches are this
     rank's (leaves [N_local, ...]), md is staged with the same W (rank-local block table).
     interpret: Pallas interpret mode for attention_impl "pallas" (CPU).
-    Returns (hidden [T, hidden] after the final norm (replicated under DCP), updated caches).
+    tp_size / ep_size (static) > 1: call inside the step's shard_map over the 3-D mesh with
+    this rank's param and cache shards (``attention.parallel``).
+    Returns (hidden [T, hidden] after the final norm (replicated under DCP / TP / EP),
+    updated caches).
     """
     hidden, caches, _ = forward_with_routing(
         params, caches, token_ids, md, config=config, attention_impl=attention_impl,
-        attention_mode=attention_mode, dcp_world_size=dcp_world_size, interpret=interpret)
+        attention_mode=attention_mode, dcp_world_size=dcp_world_size, interpret=interpret,
+        tp_size=tp_size, ep_size=ep_size)
     return hidden, caches
 
 
-def compute_logits(params: dict, hidden: jax.Array, config: ModelConfig) -> jax.Array:
-    """LM head: hidden [..., hidden] -> logits [..., vocab] in f32."""
+def compute_logits(params: dict, hidden: jax.Array, config: ModelConfig,
+                   tp_size: int = 1) -> jax.Array:
+    """LM head: hidden [..., hidden] -> logits [..., vocab] in f32 (under TP: this rank's
+    vocab slice, then all-gathered)."""
     w = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    return (hidden @ w).astype(jnp.float32)
+    return gather_vocab((hidden @ w).astype(jnp.float32), tp_size)

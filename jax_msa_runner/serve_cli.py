@@ -17,6 +17,7 @@ import os
 import sys
 
 from jax_msa_runner.config import RESERVED_PAGES
+from jax_msa_runner.mesh_flags import add_mesh_args
 from jax_msa_runner.serving.kv_cache import pages_needed
 
 DEFAULT_MODEL_NAME = "jax-msa-tiny"
@@ -53,6 +54,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="override the tiny model's layer count (layer 0 dense, others MSA)")
     g.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level")
+    add_mesh_args(g)
     return parser
 
 
@@ -109,6 +111,7 @@ def check_serve_args(args) -> tuple[tuple[int, ...], int]:
     need(0 <= args.seed < 2**32, "--seed", "in [0, 2**32)", args.seed)
     pages = args.num_pages or len(RESERVED_PAGES) + args.max_num_seqs * pages_needed(
         args.max_model_len)
+    _check_mesh(args)
     return sizes, pages
 
 
@@ -145,6 +148,34 @@ def build_model(args: argparse.Namespace):
     return mc, params, tok if tok is not None else ByteTokenizer(mc.vocab_size)
 
 
+def served_config(args):
+    """The ModelConfig the flags will serve, read without loading any weights."""
+    from jax_msa_runner.config import ConfigError, ModelConfig
+
+    if args.model_config is None and args.checkpoint is None:
+        layers = {} if args.num_layers is None else dict(
+            num_layers=args.num_layers, sparse_attention_freq=(0,) + (1,) * (args.num_layers - 1))
+        return ModelConfig.tiny(**layers)
+    flag, path = (("--model-config", args.model_config) if args.model_config is not None
+                  else ("--checkpoint", args.checkpoint))
+    try:
+        return ModelConfig.from_hf_config(path, num_layers=args.num_layers, dtype=args.dtype)
+    except (ConfigError, ValueError, OSError) as e:
+        raise FlagError(f"{flag}: cannot read {path!r}: {e}") from None
+
+
+def _check_mesh(args) -> None:
+    """--tp / --ep against the served model and the devices (asks for host devices first)."""
+    from jax_msa_runner import flags, mesh_flags
+    from jax_msa_runner.demo import request_host_devices
+
+    request_host_devices(args.tp * args.ep)
+    try:
+        mesh_flags.check_mesh_flags(served_config(args), args.tp, args.ep)
+    except flags.FlagError as e:
+        raise FlagError(str(e).removeprefix("argument ")) from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Check the flags, build and warm up the runner, then serve until interrupted."""
     try:
@@ -173,7 +204,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     rc = RunnerConfig(max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
-                      max_model_len=args.max_model_len, bucket_sizes=sizes)
+                      max_model_len=args.max_model_len, bucket_sizes=sizes,
+                      tp_size=args.tp, ep_size=args.ep)
     runner = ModelRunner(mc, rc, num_pages=num_pages, params=params, seed=args.seed,
                          attention_impl=args.attention_impl)
     source = args.checkpoint or (f"{args.model_config} (random weights)" if args.model_config

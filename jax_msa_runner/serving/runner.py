@@ -35,7 +35,8 @@ from jax.sharding import Mesh
 
 from jax_msa_runner.attention.layer import check_attention_impl, default_attention_impl
 from jax_msa_runner.attention.paged_cache import KVCaches
-from jax_msa_runner.attention.parallel import init_caches, per_rank_step, replicate, step_mesh
+from jax_msa_runner.attention.parallel import (init_caches, per_rank_step, place_params,
+                                               replicate, step_mesh)
 from jax_msa_runner.batch.buckets import Bucket, make_buckets, select_bucket
 from jax_msa_runner.batch.metadata import BatchMetadata
 from jax_msa_runner.batch.staging import (dummy_host_batch, pack_host_batch, packed_size,
@@ -80,12 +81,13 @@ def _model_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: 
     md = stage_packed(host_buf[:o], bucket, rconfig)
     hidden, caches = forward(params, caches, host_buf[o:o + T], md, config=mconfig,
                              attention_impl=attention_impl, attention_mode=attention_mode,
-                             dcp_world_size=rconfig.dcp_world_size, interpret=interpret)
+                             dcp_world_size=rconfig.dcp_world_size, interpret=interpret,
+                             tp_size=rconfig.tp_size, ep_size=rconfig.ep_size)
     last = jnp.clip(md.query_start_loc[1:] - 1, 0, T - 1)  # last token of each row
     if all_token_logits:
-        logits = compute_logits(params, hidden, mconfig)
+        logits = compute_logits(params, hidden, mconfig, rconfig.tp_size)
         return logits[last], logits, caches, md
-    logits = compute_logits(params, hidden[last], mconfig)
+    logits = compute_logits(params, hidden[last], mconfig, rconfig.tp_size)
     return logits, logits, caches, md
 
 
@@ -149,6 +151,9 @@ class ModelRunner:
 
     num_pages: KV pages of the cache (per rank under DCP). With rconfig.dcp_world_size W > 1
     the runner serves over the first W devices (``mesh``); raises DCPError when fewer exist.
+    With rconfig.tp_size N or ep_size M > 1 it serves over W * N * M devices on the
+    ("dcp", "tensor", "expert") mesh, params and caches sharded (``attention.parallel``);
+    ConfigError when the model's heads / sizes / experts do not divide or devices are short.
     interpret: Pallas interpret mode; default True exactly for attention_impl "pallas" off
     the GPU. ``last_logits`` holds the latest step's logits f32 [R_bucket, V] (on device;
     with all_token_logits, [T_bucket, V]: one row per token of the step);
@@ -165,12 +170,12 @@ class ModelRunner:
         check_attention_impl(self.attention_impl)
         self.interpret = (self.attention_impl == "pallas" and jax.default_backend() != "gpu"
                           if interpret is None else bool(interpret))
-        self.mesh = step_mesh(rconfig)  # DCPError: too few devices
+        self.mesh = step_mesh(rconfig, mconfig)  # DCPError / ConfigError: too few devices
         self.mconfig, self.rconfig, self.debug = mconfig, rconfig, debug
         self.all_token_logits = all_token_logits
         self.buckets = make_buckets(rconfig)
-        self.params = replicate(params if params is not None else init_params(mconfig, seed),
-                                self.mesh)
+        self.params = place_params(params if params is not None else init_params(mconfig, seed),
+                                   self.mesh)
         self.caches = init_caches(mconfig, num_pages, self.mesh)
         self.penalties = replicate(init_penalty_state(rconfig.max_num_seqs, mconfig.vocab_size),
                                    self.mesh)
@@ -227,7 +232,7 @@ class ModelRunner:
         jax.block_until_ready(nxt)
         profile_s = time.perf_counter() - t1
         validate_metadata(md, self.rconfig)
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         mem = self._compiled[big].memory_analysis()
         return WarmupReport(
             buckets=self.buckets, compile_seconds=compile_s, compilations=cc.count,
