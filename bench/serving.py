@@ -137,7 +137,14 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["--layer", "real"]:  # the real-shaped layers: bench/real_layer.py's flags
+        import real_layer
+        return real_layer.main(argv[2:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layer", choices=("tiny",), default="tiny",
+                    help="tiny (this script's layers); `--layer real` as the first flag runs "
+                         "bench/real_layer.py with the flags that follow")
     ap.add_argument("--out", required=True, help="directory for serving.json and serving.md")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="4096,32768,131072")
