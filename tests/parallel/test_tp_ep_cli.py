@@ -54,7 +54,7 @@ def _refused(argv, capsys) -> str:
     (["--tp", "2"], "argument --tp: 2 must divide num_kv_heads=1"),  # the tiny model: 1 KV head
     (["--ep", "3"], "argument --ep: 3 must divide num_experts=8"),
     (["--tp", "0"], "argument --tp: must be >= 1, got 0"),
-    (["--ep", "x"], "argument --ep: must be an integer, got 'x'"),
+    (["--ep", "x"], "argument --ep: must be an integer >= 1, got 'x'"),
 ])
 def test_demo_bad_mesh_flag_is_one_line_exit_2_before_any_work(flags, expected, capsys, no_work):
     line = _refused(["demo", "--num-requests", "2", *flags], capsys)
