@@ -7,37 +7,13 @@ import os
 import jax
 import pytest
 
-import jax_msa_runner.batch.staging as staging
 import jax_msa_runner.demo as demo
+from _cli import refused
 from jax_msa_runner.batch.buckets import make_buckets
 from jax_msa_runner.batch.staging import DUMMY_KINDS
 from jax_msa_runner.cli import build_parser, main
 from jax_msa_runner.config import RESERVED_PAGES, RunnerConfig
 from jax_msa_runner.serving.kv_cache import pages_needed
-
-
-@pytest.fixture
-def no_work(monkeypatch):
-    """Any model building, serving or staging fails the test: flags must be refused first."""
-    def forbidden(*args, **kwargs):
-        raise AssertionError("work started before the flags were checked")
-
-    monkeypatch.setattr(demo, "ModelRunner", forbidden)
-    monkeypatch.setattr(demo, "serve", forbidden)
-    monkeypatch.setattr(staging, "stage_dummy_batch", forbidden)
-
-
-def _refused(argv, capsys) -> str:
-    """Runs ``main(argv)``, expects exit status 2; returns the one stderr line."""
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    out, err = capsys.readouterr()
-    assert out == ""
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 D = "jax-msa-runner demo: error: argument "
@@ -91,7 +67,7 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("argv, expected", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
 def test_bad_flag_is_one_line_exit_2_before_any_work(argv, expected, capsys, no_work):
-    line = _refused(argv, capsys)
+    line = refused(argv, capsys)
     assert line.startswith(expected), line
     # never the names of the config fields behind the flags, nor a Python exception's
     for name in ("num_pages", "sparse_attention_freq", "max_model_len", "StatisticsError"):
@@ -101,7 +77,7 @@ def test_bad_flag_is_one_line_exit_2_before_any_work(argv, expected, capsys, no_
 def test_too_few_devices_for_dcp_is_refused_before_any_work(monkeypatch, capsys, no_work):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored afterwards
     n = len(jax.devices())
-    line = _refused(["demo", "--dcp", str(n + 1), "--num-requests", "2"], capsys)
+    line = refused(["demo", "--dcp", str(n + 1), "--num-requests", "2"], capsys)
     assert line.startswith(f"jax-msa-runner demo: error: argument --dcp: {n + 1} ranks need "
                            f"{n + 1} devices, only {n} available"), line
     assert f"XLA_FLAGS={demo.HOST_DEVICES_FLAG}={n + 1}" in line
@@ -141,7 +117,7 @@ def test_bounds_between_flags_are_tight(capsys, no_work):
     need = len(RESERVED_PAGES) + max(pages_needed(len(r.prompt) + r.max_new_tokens - 1, 1)
                                      for r in reqs)
     assert _plan("--num-pages", str(need)).num_pages == need
-    line = _refused(["demo", "--num-pages", str(need - 1)], capsys)
+    line = refused(["demo", "--num-pages", str(need - 1)], capsys)
     assert f"or >= {need} (2 reserved pages plus the longest request's {need - 2}), " \
            f"got {need - 1}" in line
 

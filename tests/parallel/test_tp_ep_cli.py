@@ -2,7 +2,6 @@
 line naming the flag and the bound, exit status 2), the demo served over an expert-parallel
 mesh, and ``logits`` of a checkpoint loaded straight onto its TP x EP shards equal to one
 device (f32, within 1e-4)."""
-import os
 
 import jax
 import numpy as np
@@ -10,9 +9,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 from _checkpoint_writer import write_checkpoint
-from jax_msa_runner import demo
+from _cli import refused
 from jax_msa_runner.attention.parallel import param_bytes_per_device, param_spec, tp_layout
-from jax_msa_runner.batch import staging
 from jax_msa_runner.cli import main
 from jax_msa_runner.config import ModelConfig
 from jax_msa_runner.mesh_flags import load_checkpoint_sharded
@@ -27,29 +25,6 @@ CFG = ModelConfig.tiny(num_layers=3, sparse_attention_freq=(0, 1, 1), moe_layer_
                        moe_intermediate_size=12, shared_intermediate_size=20)
 
 
-@pytest.fixture
-def no_work(monkeypatch):
-    """Any model building, serving or staging fails the test: flags must be refused first."""
-    def forbidden(*args, **kwargs):
-        raise AssertionError("work started before the flags were checked")
-
-    monkeypatch.setattr(demo, "ModelRunner", forbidden)
-    monkeypatch.setattr(demo, "serve", forbidden)
-    monkeypatch.setattr(staging, "stage_dummy_batch", forbidden)
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored afterwards
-
-
-def _refused(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    out, err = capsys.readouterr()
-    assert out == "" and "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 @pytest.mark.parametrize("flags, expected", [
     (["--tp", "2"], "argument --tp: 2 must divide num_kv_heads=1"),  # the tiny model: 1 KV head
     (["--ep", "3"], "argument --ep: 3 must divide num_experts=8"),
@@ -57,20 +32,20 @@ def _refused(argv, capsys) -> str:
     (["--ep", "x"], "argument --ep: must be an integer >= 1, got 'x'"),
 ])
 def test_demo_bad_mesh_flag_is_one_line_exit_2_before_any_work(flags, expected, capsys, no_work):
-    line = _refused(["demo", "--num-requests", "2", *flags], capsys)
+    line = refused(["demo", "--num-requests", "2", *flags], capsys)
     assert line == f"jax-msa-runner demo: error: {expected}", line
 
 
-def test_demo_more_ranks_than_devices_is_refused(capsys, no_work):
+def test_demo_more_ranks_than_devices_isrefused(capsys, no_work):
     n = len(jax.devices())
-    line = _refused(["demo", "--num-requests", "2", "--ep", str(2 * n)], capsys)
+    line = refused(["demo", "--num-requests", "2", "--ep", str(2 * n)], capsys)
     assert line.startswith(f"jax-msa-runner demo: error: argument --tp/--ep: dcp_world_size * "
                            f"tp_size * ep_size = 1 * 1 * {2 * n} = {2 * n} ranks need {2 * n} "
                            f"devices, only {n} available"), line
 
 
 def test_logits_and_serve_refuse_bad_mesh_flags(tmp_path, capsys):
-    line = _refused(["logits", "--checkpoint", str(tmp_path), "--token-ids", "x.npy", "--out",
+    line = refused(["logits", "--checkpoint", str(tmp_path), "--token-ids", "x.npy", "--out",
                      "y.npy", "--tp", "-1"], capsys)
     assert line.endswith("argument --tp: must be >= 1, got -1"), line
     assert serve_main(["--ep", "3", "--port", "1"]) == 2
@@ -138,6 +113,6 @@ def test_checkpoint_lands_on_its_shards_and_logits_equal_one_device(tmp_path, ca
      "argument --coordinator: must be HOST:PORT with a port in [1, 65535], got 'h'"),
     (["--num-processes", "0"], "argument --num-processes: must be >= 1, got 0"),
 ])
-def test_demo_bad_distributed_flags_are_refused(flags, expected, capsys, no_work):
-    line = _refused(["demo", "--num-requests", "2", *flags], capsys)
+def test_demo_bad_distributed_flags_arerefused(flags, expected, capsys, no_work):
+    line = refused(["demo", "--num-requests", "2", *flags], capsys)
     assert line == f"jax-msa-runner demo: error: {expected}", line
