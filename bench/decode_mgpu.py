@@ -19,7 +19,6 @@ Usage (GPU machine): python3 bench/decode_mgpu.py --out results.json [--reps 10]
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -32,38 +31,19 @@ import jax.numpy as jnp  # noqa: E402
 from _common import (hlo_kernel_count, non_negative_int, positive_int,  # noqa: E402
                      time_jax)
 
+from _shapes_inputs import HEAD_DIM, Shape, all_shapes  # noqa: E402
+from pallas_kernels import PAGE_SIZE, TOPK  # noqa: E402
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference  # noqa: E402
 from pallas_kernels.sparse_decode_mgpu import (SPLITS, STAGES, default_splits,  # noqa: E402
                                                default_stages, smem_bytes, SMEM_BYTES,
                                                sparse_decode_mgpu)
 
-PAGE = 128
-TOPK = 16
-HEAD_DIM = 128
-HEAD_CONFIGS = ((16, 1), (64, 4))
-BATCHES = (1, 16, 64, 128)
-CONTEXTS = (8192, 65536)
-FLUSH_ELEMS = 64 * 1024 * 1024  # 256 MiB of f32
 SCALE = HEAD_DIM ** -0.5
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    hq: int
-    hkv: int
-    batch: int
-    context: int
-
-    @property
-    def bytes(self) -> int:
-        return self.batch * self.hkv * TOPK * PAGE * 2 * HEAD_DIM * 2
-
-    def __str__(self) -> str:
-        return f"{self.hq}/{self.hkv}/{self.batch}/{self.context}"
-
-
-def all_shapes() -> list[Shape]:
-    return [Shape(hq, hkv, b, l) for hq, hkv in HEAD_CONFIGS for b in BATCHES for l in CONTEXTS]
+def shape_id(shape: Shape) -> str:
+    """``Hq/Hkv/B/L``: the form ``--shapes`` takes."""
+    return f"{shape.hq}/{shape.hkv}/{shape.batch}/{shape.context}"
 
 
 def parse_shapes(text: str) -> list[Shape]:
@@ -72,12 +52,12 @@ def parse_shapes(text: str) -> list[Shape]:
 
 def make_inputs(shape: Shape, seed: int) -> tuple:
     """(q, kv_cache, selected, block_table, req_indices, kv_lens) on the default device."""
-    blocks = shape.context // PAGE
+    blocks = shape.context // PAGE_SIZE
     num_pages = shape.batch * blocks + 1  # page 0 unused
     ks = jax.random.split(jax.random.key(seed), 4)
     perm = jax.random.permutation(ks[0], num_pages - 1) + 1
     block_table = perm.reshape(shape.batch, blocks).astype(jnp.int32)
-    kv = jax.random.normal(ks[1], (num_pages, shape.hkv, PAGE, 2 * HEAD_DIM), jnp.bfloat16)
+    kv = jax.random.normal(ks[1], (num_pages, shape.hkv, PAGE_SIZE, 2 * HEAD_DIM), jnp.bfloat16)
     q = jax.random.normal(ks[2], (shape.batch, shape.hq, HEAD_DIM), jnp.bfloat16)
     # 15 distinct random blocks + the local block, ascending (an indexer's top-16)
     r = jax.random.uniform(ks[3], (shape.batch, shape.hkv, blocks - 1))
@@ -123,8 +103,8 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool)
     jax.block_until_ready(args)
     ref = sparse_decode_reference(*args, scale=SCALE)
     rows = shape.batch * shape.hkv
-    row = dict(shape=str(shape), hq=shape.hq, hkv=shape.hkv, batch=shape.batch,
-               context=shape.context, bytes=shape.bytes,
+    row = dict(shape=shape_id(shape), hq=shape.hq, hkv=shape.hkv, batch=shape.batch,
+               context=shape.context, bytes=shape.decode_bytes,
                mgpu_config=dict(num_splits=default_splits(rows),
                                 num_stages=default_stages(HEAD_DIM, default_splits(rows))))
     for name, fn in (("mgpu", mgpu_fn()), ("triton", triton_fn)):
