@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels.sparse_decode import sparse_decode
-from pallas_kernels.topk_select import msa_index_select
+from pallas_kernels.index_select import msa_index_select
 
 HEAD_DIM = 128
 INDEX_DIM = 128

@@ -3,6 +3,7 @@
 # compiled on the GPU, then bench/kernels.py against vLLM's ops. About 7 minutes at most.
 # $OUT gets gpu_tests.log, kernels.log, kernels.json, kernels.md and roofline.png.
 # Usage: bash bench/device_run.sh [all|tests|kernels] [more bench/kernels.py flags]
+# (TEST_TIMEOUT_S bounds the tests, KERNELS_TIMEOUT_S the bench, e.g. with --sweep)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -21,7 +22,7 @@ if [[ $what != kernels ]]; then
 fi
 [[ $what == tests ]] && exit 0
 budget=$(( 380 - SECONDS )); (( budget < 60 )) && budget=60  # start no shape after this
-timeout $(( budget + 70 )) python3 bench/kernels.py --out "$out" --budget-s "$budget" "$@" \
+timeout ${KERNELS_TIMEOUT_S:-$(( budget + 70 ))} python3 bench/kernels.py --out "$out" --budget-s "$budget" "$@" \
   > "$out/kernels.log" 2>&1
 echo "kernels.py rc=$? after ${SECONDS}s"
 grep -v '^|' "$out/kernels.log" | tail -n 15  # errors, if any

@@ -27,7 +27,7 @@ from _shapes_inputs import HEAD_DIM, INDEX_DIM
 from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels.sparse_decode import sparse_decode
 from pallas_kernels.sparse_prefill import sparse_prefill, tile_page_union
-from pallas_kernels.topk_select import msa_index_select
+from pallas_kernels.index_select import msa_index_select
 
 HEAD_CONFIGS = ((16, 1), (64, 4))
 # (label, sparse_prefill keywords); {} = the defaults (4 tokens per tile, 4 warps; the first run,

@@ -109,14 +109,14 @@ def default_pages_per_program(num_tokens: int, max_pages: int) -> int:
     return max(1, min(ppp, 64, next_pow2(max_pages)))
 
 
-def _index_scores_kernel(q_ref, k_ref, bt_ref, req_ref, pos_ref, out_ref, *,
-                         num_heads_pow2: int, rows: int, pages_per_program: int,
-                         num_pages_cache: int, num_reqs: int, max_pages: int,
-                         preload_block_table: bool):
-    """One program: token t = program_id(0), pages [c*ppp, (c+1)*ppp), c = program_id(1).
+def chunk_scores(q_ref, k_ref, bt_ref, req_ref, pos_ref, *, num_heads_pow2: int, rows: int,
+                 pages_per_program: int, num_pages_cache: int, num_reqs: int, max_pages: int,
+                 preload_block_table: bool):
+    """Inside a kernel: the block scores ``[Hs, ppp]`` f32 of token t = program_id(0) over pages
+    [c*ppp, (c+1)*ppp), c = program_id(1); -inf for pages past the token's last block.
 
     q_ref [Hs, Di] (block of token t), k_ref [N, 128, Di] (whole cache), bt_ref [R, P],
-    req_ref [T], pos_ref [T] (whole arrays), out_ref [Hs, ppp] (block).
+    req_ref [T], pos_ref [T] (whole arrays).
     """
     t = pl.program_id(0)
     c = pl.program_id(1)
@@ -165,7 +165,35 @@ def _index_scores_kernel(q_ref, k_ref, bt_ref, req_ref, pos_ref, out_ref, *,
     acc = lax.fori_loop(start, end, body, acc)
     if rows != hs:
         acc = jnp.max(acc.reshape(rows // hs, hs, ppp), axis=0)
-    out_ref[...] = acc
+    return acc
+
+
+def _index_scores_kernel(q_ref, k_ref, bt_ref, req_ref, pos_ref, out_ref, **kw):
+    """One program: :func:`chunk_scores` into ``out_ref [Hs, ppp]`` (block)."""
+    out_ref[...] = chunk_scores(q_ref, k_ref, bt_ref, req_ref, pos_ref, **kw)
+
+
+def scores_launch(index_q, index_k_cache, block_table, req_indices, positions, *,
+                  pages_per_program: int | None, num_warps: int, num_stages: int,
+                  preload_block_table: bool):
+    """Checks the inputs and tunables (ValueError / TypeError naming them) and returns
+    ``(index_q padded to Hs = next_pow2(H) heads, the static keywords of chunk_scores)``."""
+    _validate(index_q, index_k_cache, block_table, req_indices, positions)
+    t, h, _ = index_q.shape
+    r, p = block_table.shape
+    ppp = default_pages_per_program(t, p) if pages_per_program is None else pages_per_program
+    if not is_pow2(ppp):
+        raise ValueError(f"pages_per_program: must be a power of two >= 1, got {ppp}")
+    if num_warps < 1 or not is_pow2(num_warps):
+        raise ValueError(f"num_warps: must be a power of two >= 1, got {num_warps}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages: must be >= 1, got {num_stages}")
+    hs = next_pow2(h)
+    if hs != h:
+        index_q = jnp.pad(index_q, ((0, 0), (0, hs - h), (0, 0)))
+    return index_q, dict(num_heads_pow2=hs, rows=max(MIN_DOT, hs), pages_per_program=ppp,
+                         num_pages_cache=index_k_cache.shape[0], num_reqs=r, max_pages=p,
+                         preload_block_table=preload_block_table)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_program", "num_warps",
@@ -182,26 +210,15 @@ def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
     of the page loop), `preload_block_table` (load the program's ppp page ids as one vector
     before the loop, else one scalar load per page inside the loop).
     """
-    _validate(index_q, index_k_cache, block_table, req_indices, positions)
+    padded_q, kw = scores_launch(index_q, index_k_cache, block_table, req_indices, positions,
+                                 pages_per_program=pages_per_program, num_warps=num_warps,
+                                 num_stages=num_stages, preload_block_table=preload_block_table)
     t, h, di = index_q.shape
     n = index_k_cache.shape[0]
     r, p = block_table.shape
-    ppp = default_pages_per_program(t, p) if pages_per_program is None else pages_per_program
-    if not is_pow2(ppp):
-        raise ValueError(f"pages_per_program: must be a power of two >= 1, got {ppp}")
-    if num_warps < 1 or not is_pow2(num_warps):
-        raise ValueError(f"num_warps: must be a power of two >= 1, got {num_warps}")
-    if num_stages < 1:
-        raise ValueError(f"num_stages: must be >= 1, got {num_stages}")
-    hs = next_pow2(h)
-    rows = max(MIN_DOT, hs)
+    hs, ppp = kw["num_heads_pow2"], kw["pages_per_program"]
     num_chunks = pl.cdiv(p, ppp)
-    if hs != h:
-        index_q = jnp.pad(index_q, ((0, 0), (0, hs - h), (0, 0)))
-
-    kernel = functools.partial(
-        _index_scores_kernel, num_heads_pow2=hs, rows=rows, pages_per_program=ppp,
-        num_pages_cache=n, num_reqs=r, max_pages=p, preload_block_table=preload_block_table)
+    kernel = functools.partial(_index_scores_kernel, **kw)
     out = pl.pallas_call(
         kernel,
         grid=(t, num_chunks),
@@ -217,7 +234,7 @@ def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=resolve_interpret(interpret),
         name="msa_index_scores",
-    )(index_q, index_k_cache, block_table, req_indices, positions)
+    )(padded_q, index_k_cache, block_table, req_indices, positions)
     if out.shape != (t, h, p):
         out = out[:, :h, :p]
     return out

@@ -13,8 +13,13 @@ page loads, and invalid slots (``-1``, out-of-range ids, slots ``>= n_use``) loa
 ``n_valid`` compacted slots are cut into ``num_splits`` contiguous chunks of
 ``ceil(n_valid / num_splits)``; a loop step loads ``keys_per_step`` keys (a whole page, or a
 half page: a smaller pipeline stage) of K and V (``[keys_per_step, D]`` each) and updates an
-online softmax (base 2, finite mask value). Splits are merged by log-sum-exp in jnp; with one
-split the kernel writes the final output.
+online softmax (base 2, finite mask value). With one split the program writes the output.
+With several, the splits are merged inside the same launch: each program stores its
+normalised partial ``(o [M,D], lse [M])`` in f32 scratch outputs, meets its CTA at a barrier
+and takes a ticket from the row's counter (an acquire-release atomic add at GPU scope, on a
+counter array zeroed by the caller); the program that draws the last ticket reads the row's
+partials and writes their log-sum-exp merge. No program waits for another, so the order in
+which programs run does not matter.
 
 Safety boundary (in the kernel and in the reference): a slot is consumed iff ``slot < n_use =
 min(16, ceil(kv_len / 128))`` and its block id is in ``[0, ceil(kv_len / 128))``. Any other
@@ -45,8 +50,8 @@ from pallas_kernels._shapes import (MIN_DOT, NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES
                                     whole_block)
 
 MAX_GROUP_ROWS = 128  # padded GQA group rows of one program (register budget)
-FILL_PROGRAMS = 256  # below ONE_SPLIT_ROWS: smallest splits with T * Hkv * splits >= this
-ONE_SPLIT_ROWS = 64  # T * Hkv at and above which one split (no merge) is the default
+FILL_PROGRAMS = 128  # default splits: the smallest with T * Hkv * splits >= this (one wave)
+MAX_DEFAULT_SPLITS = 8  # default splits at most this (>= 2 pages per program)
 SMEM_SCRATCH = 16 * 1024  # layout conversions and reductions beside the K/V buffers
 KEYS_PER_STEP = (64, 128)  # keys of one decode loop step (one pipeline stage)
 V_MASKS = ("select", "load")  # how V's invalid rows become 0: select after the load, masked load
@@ -88,16 +93,15 @@ def max_stages(stage: int) -> int:
 def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
     """Launch defaults of :func:`sparse_decode` for ``num_rows = T * Hkv`` (token, KV head) rows.
 
-    With ``num_rows >= 64`` one split (fewer, longer programs, no merge); below that the
-    smallest power of two <= 16 with ``num_rows * splits >= 256`` programs. 3 pipeline stages
+    Splits: the smallest power of two <= 8 with ``num_rows * splits >= 128`` programs (the
+    merge is inside the kernel, so splitting costs one partial store per program). 3 pipeline stages
     while the programs fit one wave on the H200's 132 SMs, else 2, capped by shared memory;
     4 warps; whole-page steps; V's invalid rows zeroed by a select. Returns a dict of
     ``num_splits, num_warps, num_stages, keys_per_step, v_mask``.
     """
     splits = 1
-    if num_rows < ONE_SPLIT_ROWS:
-        while splits < TOPK and num_rows * splits < FILL_PROGRAMS:
-            splits *= 2
+    while splits < MAX_DEFAULT_SPLITS and num_rows * splits < FILL_PROGRAMS:
+        splits *= 2
     stages = 3 if num_rows * splits <= NUM_SMS_H200 else 2
     stages = min(stages, max_stages(step_bytes(dtype, head_dim, PAGE_SIZE)))
     return dict(num_splits=splits, num_warps=4, num_stages=stages, keys_per_step=PAGE_SIZE,
@@ -266,16 +270,17 @@ def finalize(acc, m, l):
     return out, lse
 
 
-def merge_splits(o, lse):
+def merge_splits(o, lse, *, in_kernel=False):
     """LSE merge over axis 0: ``o [S,...,D] f32`` normalised partials, ``lse [S,...] f32``.
 
     Empty splits (``lse = -inf``, ``o = 0``) weigh 0; when every split is empty the result is
     ``(0, -inf)``. A NaN lse of any split makes the merged row and lse NaN, a NaN in a split's
     ``o`` makes those output elements NaN (its weight, even 0, multiplies it): NaN is never
-    dropped.
+    dropped. ``in_kernel=True`` inside a Pallas kernel (no XLA optimization barrier there).
     """
     m = jnp.max(jnp.where(jnp.isnan(lse), -jnp.inf, lse), axis=0)        # max of the non-NaN
-    m = jax.lax.optimization_barrier(m)
+    if not in_kernel:
+        m = jax.lax.optimization_barrier(m)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     w = jnp.exp(lse - m_safe[None])                                      # exp(-inf) = 0; NaN stays
     wsum = jnp.sum(w, axis=0)
@@ -302,11 +307,19 @@ def compact_slots(ok):
     return jnp.where(ok, rank, ok.shape[0]), jnp.sum(ok_i)
 
 
-def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_ref, *,
-                   num_splits, keys_per_step, v_mask, head_dim, num_pages, num_rows, num_cols,
-                   scale_log2):
+def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, *refs, num_splits,
+                   keys_per_step, v_mask, head_dim, num_pages, num_rows, num_cols, scale_log2,
+                   interpreting):
     """One (token, kv head, split): ``q_ref [M,D]``, ``sel_ref [16]``, whole ``kv_ref``,
-    ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D]``, ``lse_ref [M]``."""
+    ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D]``, ``lse_ref [M]``. With
+    ``num_splits > 1`` also ``ticket_in_ref`` (whole ``[T*Hkv]`` int32 zeros, aliased to
+    ``ticket_ref``) and the whole partials ``part_o_ref [S,T,Hkv,M,D]``, ``part_lse_ref
+    [S,T,Hkv,M]`` f32 (see the module docstring). ``interpreting``: programs run one after
+    another, so the CTA barrier (which has no interpreter rule) is left out."""
+    if num_splits == 1:
+        o_ref, lse_ref = refs
+    else:
+        _, o_ref, lse_ref, part_o_ref, part_lse_ref, ticket_ref = refs
     t = pl.program_id(0)
     h = pl.program_id(1)
     split = pl.program_id(2)
@@ -353,8 +366,24 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, o_ref, lse_
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(0, n_slots * steps_per_slot, body, init)
     out, lse = finalize(acc, m, l)
-    o_ref[...] = out.astype(o_ref.dtype)
-    lse_ref[...] = lse
+    if num_splits == 1:
+        o_ref[...] = out.astype(o_ref.dtype)
+        lse_ref[...] = lse
+        return
+    part_o_ref[split, t, h] = out
+    part_lse_ref[split, t, h] = lse
+    if not interpreting:
+        plt.debug_barrier()  # every thread's partial stores precede the release of the ticket
+    ticket = plt.atomic_add(ticket_ref, (t * pl.num_programs(1) + h,), jnp.int32(1))
+
+    @pl.when(ticket == num_splits - 1)
+    def _merge():  # the last program of the row: every other partial is visible (acquire);
+        # volatile loads bypass L1, which may hold a line of a neighbour row read earlier
+        parts_o = plt.load(part_o_ref.at[:, t, h], volatile=True)   # [S, M, D]
+        parts_lse = plt.load(part_lse_ref.at[:, t, h], volatile=True)  # [S, M]
+        o_all, lse_all = merge_splits(parts_o, parts_lse, in_kernel=True)
+        o_ref[...] = o_all.astype(o_ref.dtype)
+        lse_ref[...] = lse_all
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_warps",
@@ -407,37 +436,45 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
     qg = q.reshape(t, hkv, g, d)
     if m_rows != g:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
-    out_dtype = q.dtype if splits == 1 else jnp.float32
     v_mask = cfg["v_mask"] if v_mask is None else v_mask
     _check_tunable("v_mask", "sparse_decode", v_mask, V_MASKS)
     kernel = functools.partial(_decode_kernel, num_splits=splits, keys_per_step=kps,
                                v_mask=v_mask, head_dim=d, num_pages=n, num_rows=r, num_cols=p,
-                               scale_log2=float(scale) * LOG2E)
-    o, lse = pl.pallas_call(
+                               scale_log2=float(scale) * LOG2E,
+                               interpreting=resolve_interpret(interpret))
+    in_specs = [
+        whole_block((t,)),                                                 # req_indices
+        whole_block((t,)),                                                 # kv_lens
+        whole_block(block_table.shape),                                    # block_table
+        pl.BlockSpec((None, None, TOPK), lambda i, h, s: (i, h, 0)),       # selected
+        pl.BlockSpec((None, None, m_rows, d), lambda i, h, s: (i, h, 0, 0)),  # q
+        whole_block(kv_cache.shape),                                       # kv_cache
+    ]
+    out_specs = [pl.BlockSpec((None, None, m_rows, d), lambda i, h, s: (i, h, 0, 0)),
+                 pl.BlockSpec((None, None, m_rows), lambda i, h, s: (i, h, 0))]
+    out_shape = [jax.ShapeDtypeStruct((t, hkv, m_rows, d), q.dtype),
+                 jax.ShapeDtypeStruct((t, hkv, m_rows), jnp.float32)]
+    args = [req_indices, kv_lens, block_table, selected, qg, kv_cache]
+    aliases = {}
+    if splits > 1:  # the in-kernel merge: a ticket counter per row, the partials in f32
+        in_specs.append(whole_block((t * hkv,)))
+        args.append(jnp.zeros((t * hkv,), jnp.int32))
+        parts = ((splits, t, hkv, m_rows, d), (splits, t, hkv, m_rows), (t * hkv,))
+        out_specs += [whole_block(shape) for shape in parts]
+        out_shape += [jax.ShapeDtypeStruct(shape, dtype)
+                      for shape, dtype in zip(parts, (jnp.float32, jnp.float32, jnp.int32))]
+        aliases = {len(args) - 1: len(out_shape) - 1}
+    o, lse, *_ = pl.pallas_call(
         kernel,
         grid=(t, hkv, splits),
-        in_specs=[
-            whole_block((t,)),                                             # req_indices
-            whole_block((t,)),                                             # kv_lens
-            whole_block(block_table.shape),                                # block_table
-            pl.BlockSpec((None, None, TOPK), lambda i, h, s: (i, h, 0)),   # selected
-            pl.BlockSpec((None, None, m_rows, d), lambda i, h, s: (i, h, 0, 0)),  # q
-            whole_block(kv_cache.shape),                                   # kv_cache
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, m_rows, d), lambda i, h, s: (s, i, h, 0, 0)),
-            pl.BlockSpec((None, None, None, m_rows), lambda i, h, s: (s, i, h, 0)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct((splits, t, hkv, m_rows, d), out_dtype),
-                   jax.ShapeDtypeStruct((splits, t, hkv, m_rows), jnp.float32)],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=resolve_interpret(interpret),
+        interpret=kernel.keywords["interpreting"],
         name="msa_sparse_decode",
-    )(req_indices, kv_lens, block_table, selected, qg, kv_cache)
-    if splits == 1:
-        o, lse = o[0], lse[0]
-    else:
-        o, lse = merge_splits(o, lse)
+    )(*args)
     out = o[:, :, :g].reshape(t, hq, d).astype(q.dtype)
     return out, lse[:, :, :g].reshape(t, hq)
 

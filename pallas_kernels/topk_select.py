@@ -31,8 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._interpret import resolve_interpret
-from pallas_kernels._shapes import PAGE_SIZE, TOPK, is_pow2, next_pow2
-from pallas_kernels.index_scores import msa_index_scores, msa_index_scores_reference
+from pallas_kernels._shapes import TOPK, is_pow2, next_pow2
 
 
 def _validate(scores, num_valid_pages, topk, local_blocks, init_blocks) -> None:
@@ -65,18 +64,14 @@ def _prepare(x, ids, nvp, *, max_pages: int, topk: int, local_blocks: int, init_
     return jnp.where(forced, jnp.inf, jnp.where(valid, x, -jnp.inf))
 
 
-def _topk_select_kernel(s_ref, cnt_ref, out_ref, *, max_pages: int, topk: int,
-                        local_blocks: int, init_blocks: int, counts_are_positions: bool):
-    """One token: s_ref [Hs, Pp] (block), cnt_ref [T] (whole: num_valid_pages, or positions
-    when `counts_are_positions`), out_ref [Hs, topk] (block)."""
-    t = pl.program_id(0)
-    hs, pp = s_ref.shape
-    nvp = cnt_ref[t]
-    if counts_are_positions:
-        nvp = jnp.floor_divide(nvp, PAGE_SIZE) + 1
+def select_rows(x, nvp, *, max_pages: int, topk: int, local_blocks: int, init_blocks: int):
+    """The selection of one token inside a kernel: ``x [Hs, Pp]`` f32 block scores (columns
+    ``>= max_pages`` may hold anything: they are masked), ``nvp`` int32 scalar -> ``[Hs, topk]``
+    int32 block ids, ascending, -1 last (see the module docstring)."""
+    hs, pp = x.shape
     ids = lax.broadcasted_iota(jnp.int32, (hs, pp), 1)
-    x = _prepare(s_ref[...], ids, nvp, max_pages=max_pages, topk=topk,
-                 local_blocks=local_blocks, init_blocks=init_blocks)
+    x = _prepare(x, ids, nvp, max_pages=max_pages, topk=topk, local_blocks=local_blocks,
+                 init_blocks=init_blocks)
     slot = lax.broadcasted_iota(jnp.int32, (hs, topk), 1)
 
     def pick(r, carry):
@@ -100,12 +95,22 @@ def _topk_select_kernel(s_ref, cnt_ref, out_ref, *, max_pages: int, topk: int,
     # out[r] = win[a] with rank[a] == r (ranks are a permutation).
     r_idx = lax.broadcasted_iota(jnp.int32, (hs, topk, topk), 2)
     hit = rank[:, :, None] == r_idx  # [Hs, a, r]
-    out_ref[...] = jnp.sum(jnp.where(hit, win[:, :, None], 0), axis=1)
+    return jnp.sum(jnp.where(hit, win[:, :, None], 0), axis=1)
+
+
+def _topk_select_kernel(s_ref, cnt_ref, out_ref, *, max_pages: int, topk: int,
+                        local_blocks: int, init_blocks: int):
+    """One token: s_ref [Hs, Pp] (block), cnt_ref [T] (whole: num_valid_pages), out_ref
+    [Hs, topk] (block)."""
+    t = pl.program_id(0)
+    nvp = cnt_ref[t]
+    out_ref[...] = select_rows(s_ref[...], nvp, max_pages=max_pages, topk=topk,
+                               local_blocks=local_blocks, init_blocks=init_blocks)
 
 
 def _select_call(scores, counts, *, topk: int, local_blocks: int, init_blocks: int,
-                 interpret: bool | None, num_warps: int, counts_are_positions: bool):
-    """The pallas_call of the selector; `counts` [T] int32 is num_valid_pages or positions."""
+                 interpret: bool | None, num_warps: int):
+    """The pallas_call of the selector; `counts` [T] int32 is num_valid_pages."""
     if num_warps < 1 or not is_pow2(num_warps):
         raise ValueError(f"num_warps: must be a power of two >= 1, got {num_warps}")
     t, h, p = scores.shape
@@ -114,8 +119,7 @@ def _select_call(scores, counts, *, topk: int, local_blocks: int, init_blocks: i
         scores = jnp.pad(scores, ((0, 0), (0, hs - h), (0, pp - p)),
                          constant_values=-jnp.inf)
     kernel = functools.partial(_topk_select_kernel, max_pages=p, topk=topk,
-                               local_blocks=local_blocks, init_blocks=init_blocks,
-                               counts_are_positions=counts_are_positions)
+                               local_blocks=local_blocks, init_blocks=init_blocks)
     out = pl.pallas_call(
         kernel,
         grid=(t,),
@@ -142,8 +146,7 @@ def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: i
     """
     _validate(scores, num_valid_pages, topk, local_blocks, init_blocks)
     return _select_call(scores, num_valid_pages, topk=topk, local_blocks=local_blocks,
-                        init_blocks=init_blocks, interpret=interpret, num_warps=num_warps,
-                        counts_are_positions=False)
+                        init_blocks=init_blocks, interpret=interpret, num_warps=num_warps)
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks"))
@@ -162,43 +165,3 @@ def sparse_topk_select_reference(scores: jax.Array, num_valid_pages: jax.Array, 
     key = jnp.where(vals > -jnp.inf, idx, jnp.iinfo(jnp.int32).max)
     key = jnp.sort(key, axis=-1)
     return jnp.where(key == jnp.iinfo(jnp.int32).max, -1, key).astype(jnp.int32)
-
-
-def _num_valid_pages(positions: jax.Array) -> jax.Array:
-    """nvp = positions // 128 + 1 (>= 0; clamped to P by the selector)."""
-    return jnp.maximum(jnp.floor_divide(positions, PAGE_SIZE) + 1, 0).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "pages_per_program", "num_warps",
-                                             "num_stages", "preload_block_table",
-                                             "select_num_warps"))
-def msa_index_select(index_q: jax.Array, index_k_cache: jax.Array, block_table: jax.Array,
-                     req_indices: jax.Array, positions: jax.Array, *,
-                     interpret: bool | None = None, pages_per_program: int | None = None, num_warps: int = 4,
-                     num_stages: int = 3, preload_block_table: bool = True,
-                     select_num_warps: int = 4) -> jax.Array:
-    """Indexer + selection: [T, H, 16] int32 block ids of the MSA decode/prefill path.
-
-    `msa_index_scores` (shapes as there) then `sparse_topk_select` with
-    num_valid_pages = positions // 128 + 1 (computed inside the selector kernel: two kernel
-    launches, no other device op), topk 16, local block forced, no init blocks.
-    `interpret` as in the two kernels (None: automatic). Tunables are those of the two
-    kernels (`select_num_warps` is the selector's num_warps).
-    """
-    scores = msa_index_scores(index_q, index_k_cache, block_table, req_indices, positions,
-                              interpret=interpret, pages_per_program=pages_per_program,
-                              num_warps=num_warps, num_stages=num_stages,
-                              preload_block_table=preload_block_table)
-    return _select_call(scores, positions, topk=16, local_blocks=1, init_blocks=0,
-                        interpret=interpret, num_warps=select_num_warps,
-                        counts_are_positions=True)
-
-
-@jax.jit
-def msa_index_select_reference(index_q: jax.Array, index_k_cache: jax.Array,
-                               block_table: jax.Array, req_indices: jax.Array,
-                               positions: jax.Array) -> jax.Array:
-    """Pure jnp reference of `msa_index_select`."""
-    scores = msa_index_scores_reference(index_q, index_k_cache, block_table, req_indices,
-                                        positions)
-    return sparse_topk_select_reference(scores, _num_valid_pages(positions))

@@ -1,6 +1,6 @@
 """MSA attention for one batch: index scores -> top-16 page select -> sparse attention.
 
-`msa_attention` wires the three kernels to a batch's `BatchMetadata` (any object with the
+`msa_attention` wires the kernels (the indexer and the select run as one launch) to a batch's `BatchMetadata` (any object with the
 fields block_table, req_indices, positions, num_valid_pages and kv_lens): the selector
 reads `num_valid_pages` (derived from positions) and the attention reads `kv_lens`
 (derived from seq_lens); staging guarantees they agree (validate.py checks it) and the
@@ -14,10 +14,9 @@ import functools
 
 import jax
 
-from pallas_kernels.index_scores import msa_index_scores, msa_index_scores_reference
+from pallas_kernels.index_select import msa_index_select, msa_index_select_reference
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
 from pallas_kernels.sparse_prefill import sparse_prefill
-from pallas_kernels.topk_select import sparse_topk_select, sparse_topk_select_reference
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "prefill", "interpret", "local_blocks",
@@ -39,10 +38,9 @@ def msa_attention(q, index_q, kv_cache, index_k_cache, md, *, scale, prefill=Fal
     Returns:
       (out [T, Hq, D] q.dtype, lse [T, Hq] f32, selected [T, Hkv, 16] int32).
     """
-    scores = msa_index_scores(index_q, index_k_cache, md.block_table, md.req_indices,
-                              md.positions, interpret=interpret)
-    selected = sparse_topk_select(scores, md.num_valid_pages, local_blocks=local_blocks,
-                                  init_blocks=init_blocks, interpret=interpret)
+    selected = msa_index_select(index_q, index_k_cache, md.block_table, md.req_indices,
+                                md.positions, md.num_valid_pages, local_blocks=local_blocks,
+                                init_blocks=init_blocks, interpret=interpret)
     attend = sparse_prefill if prefill else sparse_decode
     out, lse = attend(q, kv_cache, selected, md.block_table, md.req_indices, md.kv_lens,
                       scale=scale, interpret=interpret)
@@ -53,10 +51,9 @@ def msa_attention(q, index_q, kv_cache, index_k_cache, md, *, scale, prefill=Fal
 def msa_attention_reference(q, index_q, kv_cache, index_k_cache, md, *, scale, local_blocks=1,
                             init_blocks=0):
     """`msa_attention` on the jax.numpy references (same arguments and results)."""
-    scores = msa_index_scores_reference(index_q, index_k_cache, md.block_table,
-                                        md.req_indices, md.positions)
-    selected = sparse_topk_select_reference(scores, md.num_valid_pages,
-                                            local_blocks=local_blocks, init_blocks=init_blocks)
+    selected = msa_index_select_reference(index_q, index_k_cache, md.block_table,
+                                          md.req_indices, md.positions, md.num_valid_pages,
+                                          local_blocks=local_blocks, init_blocks=init_blocks)
     out, lse = sparse_decode_reference(q, kv_cache, selected, md.block_table, md.req_indices,
                                        md.kv_lens, scale=scale)
     return out, lse, selected

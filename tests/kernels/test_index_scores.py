@@ -10,7 +10,7 @@ from _helpers import INTERPRET
 from pallas_kernels import PAGE_SIZE
 from pallas_kernels.index_scores import (default_pages_per_program, dot_dtype,
                                          msa_index_scores, msa_index_scores_reference)
-from pallas_kernels.topk_select import msa_index_select, msa_index_select_reference
+from pallas_kernels.index_select import msa_index_select, msa_index_select_reference
 
 FP8 = jnp.float8_e4m3fn
 

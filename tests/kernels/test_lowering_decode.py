@@ -30,11 +30,11 @@ def _specs(t, hq, hkv, *, pages=4096, rows=128, cols=512):
 
 
 @pytest.mark.parametrize("hq,hkv,batch,want", [
-    (16, 1, 1, (16, 4, 3)), (64, 4, 1, (16, 4, 3)),     # splits fill the SMs
-    (16, 1, 16, (16, 4, 2)),                            # 256 programs: 2 stages
-    (16, 1, 64, (1, 4, 3)),                             # >= 64 rows: one split
-    (16, 1, 128, (1, 4, 3)),                            # one wave: 3 x 64 KiB stages
-    (64, 4, 128, (1, 4, 2)),                            # 4 waves: 2 stages
+    (16, 1, 1, (8, 4, 3)), (64, 4, 1, (8, 4, 3)),       # at most 8 splits
+    (16, 1, 16, (8, 4, 3)),                             # 128 programs: one wave, 3 stages
+    (16, 1, 64, (2, 4, 3)),
+    (16, 1, 128, (1, 4, 3)),                            # 128 rows: one split
+    (64, 4, 128, (1, 4, 2)),                            # 512 programs: 2 stages
 ])
 def test_sparse_decode_lowers_for_h200_with_defaults(hq, hkv, batch, want):
     text = lower(sparse_decode, *_specs(batch, hq, hkv), scale=D ** -0.5)
@@ -45,6 +45,8 @@ def test_sparse_decode_lowers_for_h200_with_defaults(hq, hkv, batch, want):
     assert cfg["keys_per_step"] == PAGE_SIZE
     assert (calls[0]["grid_x"], calls[0]["grid_y"], calls[0]["grid_z"]) == (batch, hkv, want[0])
     assert (calls[0]["num_warps"], calls[0]["num_stages"]) == want[1:]
+    # several splits merge in the kernel: a ticket counter (atomic add) aliased in and out
+    assert ("atomic_rmw" in text) == ("output_operand_alias" in text) == (want[0] > 1)
 
 
 @pytest.mark.parametrize("hq,hkv,batch,kw", [
@@ -74,9 +76,9 @@ def test_default_stages_fit_shared_memory():
             assert pipeline_smem_bytes(cfg["num_stages"], stage) <= SMEM_BYTES
     assert default_decode_config(128, jnp.float32, D)["num_stages"] == 2  # 1 x 128 KiB buffer
     # the default depth is re-capped for an explicit step size; too deep a pipeline raises
-    [call] = triton_calls(lower(sparse_decode, *_specs(128, 16, 1), scale=1.0,
-                                         keys_per_step=64))
-    assert call["num_stages"] == 3
+    [call] = triton_calls(lower(sparse_decode, *_specs(8, 16, 1), scale=1.0,
+                                keys_per_step=64))
+    assert call["num_stages"] == 3  # 8 rows x 8 splits: one wave
     with pytest.raises(ValueError, match="shared memory"):
         lower(sparse_decode, *_specs(128, 16, 1), scale=1.0, num_stages=5)
     assert max_stages(step_bytes(jnp.bfloat16, D, PAGE_SIZE)) == 4  # 3 x 64 KiB buffers

@@ -233,8 +233,8 @@ IDENTITY_ROWS = (0, 1, 2, 3, 4, 5, 8, 9, 10)  # tokens of requests with kv_len <
 
 
 @pytest.mark.parametrize("dtype,hkv,d,num_splits,keys_per_step,v_mask", [
-    (jnp.float32, 1, 128, None, None, None),  # default split (8 for this batch), whole pages
-    (jnp.bfloat16, 4, 64, None, None, None),  # default split (2); D = 64 keeps the cache small
+    (jnp.float32, 1, 128, None, None, None),  # default splits (8 for these 23 rows), whole pages
+    (jnp.bfloat16, 4, 64, None, None, None),  # default splits (2); D = 64 keeps the cache small
     (jnp.bfloat16, 1, 128, 1, None, "select"),  # single split: the kernel writes the output
     (jnp.bfloat16, 1, 128, 1, None, "load"),  # same, V's invalid rows never loaded
     (jnp.bfloat16, 1, 128, 1, 64, None),      # half-page steps, single split
@@ -264,6 +264,24 @@ def test_decode_matches_reference_oracle_and_dense(dtype, hkv, d, num_splits, ke
                                           args[5][rows], scale=scale)
     chex.assert_trees_all_close(out[rows].astype(jnp.float32), d_out, atol=atol, rtol=atol)
     chex.assert_trees_all_close(lse[rows], d_lse, atol=lse_atol, rtol=lse_atol)
+
+
+@pytest.mark.parametrize("num_splits", [2, 16])
+def test_in_kernel_split_merge_is_exact_and_repeatable(num_splits):
+    """The splits meet in the kernel (the last program by ticket merges): many rows at once,
+    run repeatedly (compiled: programs finish in varying order), give bit-identical outputs
+    every time, equal to the reference. A partial read before its program stored it would
+    show as a difference."""
+    reqs = (Req(4500), Req(2049), Req(129, q_len=2), Req(3000, edit="minus1"),
+            Req(4096, edit="stale"), Req(5000, edit="short")) * (1 if INTERPRET else 24)
+    batch = build_batch(7, reqs, hq=32, hkv=2, dtype=jnp.bfloat16)
+    args = batch.args()
+    first = sparse_decode(*args, scale=0.1, interpret=INTERPRET, num_splits=num_splits)
+    assert_matches_reference_and_oracle(batch, *first, sparse_decode_reference, 0.1,
+                                        jnp.bfloat16)
+    for _ in range(1 if INTERPRET else 50):
+        chex.assert_trees_all_equal(
+            sparse_decode(*args, scale=0.1, interpret=INTERPRET, num_splits=num_splits), first)
 
 
 @pytest.mark.parametrize("keys_per_step,num_splits,v_mask",

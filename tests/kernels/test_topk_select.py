@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _helpers import INTERPRET
-from pallas_kernels.topk_select import (msa_index_select, msa_index_select_reference,
-                                        sparse_topk_select, sparse_topk_select_reference)
+from pallas_kernels.index_select import msa_index_select, msa_index_select_reference
+from pallas_kernels.topk_select import sparse_topk_select, sparse_topk_select_reference
 from test_index_scores import MAX_PAGES, make_batch
 
 TOPK = 16
