@@ -6,7 +6,9 @@ b >= nvp_t = positions[t] // 128 + 1 (those pages are never loaded) and for a bl
 keys are all in the causal future.
 
 Shapes / dtypes:
-  index_q        [T, H, Di]   bf16 | f16 | f32 (H index heads, Di a power of two >= 16)
+  index_q        [T, H, Di]   bf16 | f16 | f32 (H index heads, Di a power of two >= 16), or
+                              float8_e4m3fn with an fp8 cache (an fp8 x fp8 dot: the queries
+                              rounded to e4m3 by the caller, as vLLM's fp8 indexer does)
   index_k_cache  [N, 128, Di] index_q's dtype, or float8_e4m3fn (raw fp8 values, no scale,
                               half the bytes of the O(L) index-K scan vs bf16; upcast exactly
                               after each page load to the dot dtype of `dot_dtype`: f16 for
@@ -50,8 +52,9 @@ _F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
 def dot_dtype(q_dtype, k_dtype):
-    """Operand dtype of the score dot: index_q's, except f16 for bf16 queries over an fp8
-    cache (every e4m3 value and every bf16 query in f16's range [6e-5, 65504] is exact)."""
+    """Operand dtype of the score dot: index_q's (e4m3 queries over the e4m3 cache: an fp8 x
+    fp8 dot with f32 accumulation), except f16 for bf16 queries over an fp8 cache (every e4m3
+    value and every bf16 query in f16's range [6e-5, 65504] is exact)."""
     if jnp.dtype(k_dtype) == FP8_INDEX_K_DTYPE and jnp.dtype(q_dtype) == jnp.bfloat16:
         return jnp.dtype(jnp.float16)
     return jnp.dtype(q_dtype)
@@ -84,8 +87,11 @@ def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> No
         raise ValueError(f"index_q: Di must be a power of two >= {MIN_DOT}, got {di}")
     if h < 1:
         raise ValueError(f"index_q: needs H >= 1 index heads, got {h}")
-    if jnp.dtype(index_q.dtype) not in _SUPPORTED_DTYPES:
-        raise TypeError(f"index_q: dtype must be one of bfloat16, float16, float32, "
+    fp8_pair = (jnp.dtype(index_q.dtype) == FP8_INDEX_K_DTYPE
+                and jnp.dtype(index_k_cache.dtype) == FP8_INDEX_K_DTYPE)
+    if jnp.dtype(index_q.dtype) not in _SUPPORTED_DTYPES and not fp8_pair:
+        raise TypeError(f"index_q: dtype must be one of bfloat16, float16, float32 (or "
+                        f"float8_e4m3fn with a float8_e4m3fn index_k_cache), "
                         f"got {index_q.dtype}")
     if jnp.dtype(index_k_cache.dtype) not in (jnp.dtype(index_q.dtype), FP8_INDEX_K_DTYPE):
         raise TypeError(f"index_k_cache: dtype must be index_q's {index_q.dtype} or "

@@ -212,3 +212,26 @@ def test_default_pages_per_program():
         ppp = default_pages_per_program(t, p)
         assert ppp >= 1 and ppp & (ppp - 1) == 0 and ppp <= 64
         assert t * -(-p // ppp) >= min(t * p, 2 * 132)  # enough programs to fill the SMs
+
+
+@pytest.mark.parametrize("num_heads,pages_per_program", [(1, 1), (4, 8)])
+def test_fp8_queries_over_fp8_cache_match_reference(num_heads, pages_per_program):
+    """e4m3 index queries over the e4m3 cache (vLLM's fp8 indexer computation): an fp8 x fp8
+    dot; scores equal the reference's (f32 products of the same e4m3 values) and
+    msa_index_select picks the reference's blocks, with the poison page and padded tokens of
+    make_batch."""
+    q, k, bt, req, pos = make_batch(21, jnp.bfloat16, num_heads, 128, k_dtype=FP8)
+    q8 = q.astype(FP8)
+    assert dot_dtype(q8.dtype, k.dtype) == FP8
+    kw = dict(interpret=INTERPRET, pages_per_program=pages_per_program)
+    got = msa_index_scores(q8, k, bt, req, pos, **kw)
+    chex.assert_shape(got, (pos.shape[0], num_heads, MAX_PAGES))
+    check_scores(got, msa_index_scores_reference(q8, k, bt, req, pos), pos, num_heads)
+    sel = msa_index_select(q8, k, bt, req, pos, **kw)
+    chex.assert_trees_all_equal(sel, msa_index_select_reference(q8, k, bt, req, pos))
+
+
+def test_fp8_queries_need_an_fp8_cache():
+    q, k, bt, req, pos = make_batch(22, jnp.bfloat16, 1, 32)
+    with pytest.raises(TypeError, match="index_q: dtype"):
+        msa_index_scores(q.astype(FP8), k, bt, req, pos, interpret=INTERPRET)

@@ -84,3 +84,14 @@ def test_fp8_index_k_cache_lowers(q_dtype, num_heads, pages_per_program):
     cache_type = f"tensor<{16 * 64 + 1}x128x{INDEX_DIM}xf8E4M3FN>"
     assert cache_type in text
     assert [c["name"] for c in triton_calls(text)] == ["msa_index_select"]
+
+
+@pytest.mark.parametrize("batch,context", [(1, 65536), (128, 65536)])
+def test_fp8_queries_and_cache_lower(batch, context):
+    """e4m3 queries over an e4m3 cache reach the kernel as fp8 (no convert of either before
+    it): the score dot is fp8 x fp8."""
+    args = indexer_args(batch, 1, context // 128, jnp.float8_e4m3fn, k_dtype=jnp.float8_e4m3fn)
+    text = lower(msa_index_select, *args)
+    assert not [ln for ln in text.splitlines() if "stablehlo.convert" in ln]
+    assert f"tensor<{batch}x1x{INDEX_DIM}xf8E4M3FN>" in text
+    assert [c["name"] for c in triton_calls(text)] == ["msa_index_select"]
