@@ -291,8 +291,13 @@ def bench_shape(shape: Shape, vllm, *, reps: int, trials: int, rounds: int, seed
     return row
 
 
-def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int) -> list[dict]:
-    """Our kernels' launch tunables on one shape (median us per config, cold L2)."""
+SWEEP_KERNELS = ("decode", "index_select", "index_select_fp8")
+
+
+def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int,
+                kernels: tuple = SWEEP_KERNELS) -> list[dict]:
+    """Our kernels' launch tunables on one shape (median us per config, cold L2); ``kernels``
+    picks among SWEEP_KERNELS (index_select_fp8: e4m3 queries over the e4m3 cache)."""
     x = make_inputs(shape, seed)
     selected = jax.block_until_ready(jax.jit(our_indexer)(x))
     rows = []
@@ -308,18 +313,22 @@ def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int) -> list[dict
     # 128 keys = 64 KiB/stage (<= 3), 64 keys = 32 KiB/stage (<= 6).
     decode_grid = ([(128, sp, 4, st) for sp in (1, 2, 4, 8, 16) for st in (2, 3)]
                    + [(64, sp, 4, 4) for sp in (2, 8)])
-    for kps, splits, warps, stages in decode_grid:
+    for kps, splits, warps, stages in decode_grid if "decode" in kernels else ():
         kw = dict(keys_per_step=kps, num_splits=splits, num_warps=warps, num_stages=stages)
         timed("decode", lambda x, sel, kw=kw: sparse_decode(
             x["q"], x["kv"], sel, x["block_table"], x["req_indices"], x["kv_lens"],
             scale=HEAD_DIM ** -0.5, **kw, **_common.PALLAS_KW), (x, selected), kw)
-    for ppp in (1, 2, 4, 8, 16, 32):
-        for warps, stages in ((2, 3), (4, 2), (4, 3)):
+    index_grid = [(ppp, w, st) for ppp in (1, 2, 4, 8, 16, 32) for w, st in ((2, 3), (4, 2), (4, 3))]
+    fp8_grid = [(ppp, w, st) for ppp in (4, 8, 16, 32, 64) for w, st in ((4, 3), (4, 4), (8, 3), (8, 4))]
+    x8 = dict(x, index_q=x["index_q"].astype(FP8), index_k=x["index_k"].astype(FP8))
+    for kernel, inputs, grid in (("index_select", x, index_grid),
+                                 ("index_select_fp8", x8, fp8_grid)):
+        for ppp, warps, stages in grid if kernel in kernels else ():
             kw = dict(pages_per_program=ppp, num_warps=warps, num_stages=stages)
-            timed("index_select", lambda x, kw=kw: msa_index_select(
+            timed(kernel, lambda x, kw=kw: msa_index_select(
                 x["index_q"], x["index_k"], x["block_table"], x["req_indices"],
-                x["positions"], **kw, **_common.PALLAS_KW), (x,), kw)
-    del x
+                x["positions"], **kw, **_common.PALLAS_KW), (inputs,), kw)
+    del x, x8
     return rows
 
 
@@ -478,10 +487,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=_common.positive_int, default=None,
                    help="start no new shape after this many seconds (outputs still written)")
     p.add_argument("--sweep", default="", help="comma list of shape indices to sweep tunables on")
+    p.add_argument("--sweep-kernels", default=",".join(SWEEP_KERNELS),
+                   help=f"comma list of what --sweep times, of {', '.join(SWEEP_KERNELS)}")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="off the GPU: one tiny shape in interpret mode, no vLLM, our outputs "
                         "checked against the jnp references (exercises the script)")
     args = p.parse_args(argv)
+    unknown = set(args.sweep_kernels.split(",")) - set(SWEEP_KERNELS)
+    if unknown:
+        p.error(f"--sweep-kernels: {sorted(unknown)} not among {', '.join(SWEEP_KERNELS)}")
     n = len(all_shapes())
     for flag, text in (("--shapes", args.shapes), ("--sweep", args.sweep)):
         if text in ("all", ""):
@@ -555,10 +569,11 @@ def main(argv=None) -> int:
         result["sweep"] = {}
         for i in args.sweep.split(","):
             sh = all_shapes()[int(i)]
-            rows = sweep_shape(sh, reps=reps, trials=trials, seed=args.seed)
+            rows = sweep_shape(sh, reps=reps, trials=trials, seed=args.seed,
+                               kernels=tuple(args.sweep_kernels.split(",")))
             result["sweep"][sh.name] = rows
             _common.write_json(json_path, result)
-            for kernel in ("decode", "index_select"):
+            for kernel in SWEEP_KERNELS:
                 ok = sorted((r for r in rows if r["kernel"] == kernel and "us" in r),
                             key=lambda r: r["us"])
                 print(f"sweep {sh.name} {kernel} best 3: {ok[:3]}", flush=True)

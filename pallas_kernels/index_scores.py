@@ -107,12 +107,16 @@ def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> No
             raise ValueError(f"{name}: expected shape [T]=({t},), got {arr.shape}")
 
 
-def default_pages_per_program(num_tokens: int, max_pages: int) -> int:
+FP8_MAX_PAGES_PER_PROGRAM = 8  # fp8 pages are half the bytes: more, shorter programs
+
+
+def default_pages_per_program(num_tokens: int, max_pages: int, fp8: bool = False) -> int:
     """Pages per program: about 4-8 programs per SM of an H200, 1 <= ppp <= 64 (a power of
-    two)."""
+    two); at most 8 over an fp8 index-K cache."""
     target = max(1, (num_tokens * max_pages) // (4 * NUM_SMS_H200))
     ppp = 1 << (target.bit_length() - 1)
-    return max(1, min(ppp, 64, next_pow2(max_pages)))
+    cap = FP8_MAX_PAGES_PER_PROGRAM if fp8 else 64
+    return max(1, min(ppp, cap, next_pow2(max_pages)))
 
 
 def chunk_scores(q_ref, k_ref, bt_ref, req_ref, pos_ref, *, num_heads_pow2: int, rows: int,
@@ -187,7 +191,9 @@ def scores_launch(index_q, index_k_cache, block_table, req_indices, positions, *
     _validate(index_q, index_k_cache, block_table, req_indices, positions)
     t, h, _ = index_q.shape
     r, p = block_table.shape
-    ppp = default_pages_per_program(t, p) if pages_per_program is None else pages_per_program
+    fp8 = jnp.dtype(index_k_cache.dtype) == FP8_INDEX_K_DTYPE
+    ppp = (default_pages_per_program(t, p, fp8) if pages_per_program is None
+           else pages_per_program)
     if not is_pow2(ppp):
         raise ValueError(f"pages_per_program: must be a power of two >= 1, got {ppp}")
     if num_warps < 1 or not is_pow2(num_warps):
@@ -212,8 +218,8 @@ def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
 
     `interpret`: Pallas interpret mode; None (default) interprets on every backend but a GPU.
     Tunables (static): `pages_per_program` (power of two; default
-    `default_pages_per_program(T, P)`), `num_warps`, `num_stages` (software pipelining depth
-    of the page loop), `preload_block_table` (load the program's ppp page ids as one vector
+    `default_pages_per_program(T, P, fp8 cache)`), `num_warps`, `num_stages` (software
+    pipelining depth of the page loop), `preload_block_table` (load the program's ppp page ids as one vector
     before the loop, else one scalar load per page inside the loop).
     """
     padded_q, kw = scores_launch(index_q, index_k_cache, block_table, req_indices, positions,

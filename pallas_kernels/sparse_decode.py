@@ -51,7 +51,6 @@ from pallas_kernels._shapes import (MIN_DOT, NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES
 
 MAX_GROUP_ROWS = 128  # padded GQA group rows of one program (register budget)
 FILL_PROGRAMS = 128  # default splits: the smallest with T * Hkv * splits >= this (one wave)
-MAX_DEFAULT_SPLITS = 8  # default splits at most this (>= 2 pages per program)
 SMEM_SCRATCH = 16 * 1024  # layout conversions and reductions beside the K/V buffers
 KEYS_PER_STEP = (64, 128)  # keys of one decode loop step (one pipeline stage)
 V_MASKS = ("select", "load")  # how V's invalid rows become 0: select after the load, masked load
@@ -93,14 +92,14 @@ def max_stages(stage: int) -> int:
 def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
     """Launch defaults of :func:`sparse_decode` for ``num_rows = T * Hkv`` (token, KV head) rows.
 
-    Splits: the smallest power of two <= 8 with ``num_rows * splits >= 128`` programs (the
+    Splits: the smallest power of two <= 16 with ``num_rows * splits >= 128`` programs (the
     merge is inside the kernel, so splitting costs one partial store per program). 3 pipeline stages
     while the programs fit one wave on the H200's 132 SMs, else 2, capped by shared memory;
     4 warps; whole-page steps; V's invalid rows zeroed by a select. Returns a dict of
     ``num_splits, num_warps, num_stages, keys_per_step, v_mask``.
     """
     splits = 1
-    while splits < MAX_DEFAULT_SPLITS and num_rows * splits < FILL_PROGRAMS:
+    while splits < TOPK and num_rows * splits < FILL_PROGRAMS:
         splits *= 2
     stages = 3 if num_rows * splits <= NUM_SMS_H200 else 2
     stages = min(stages, max_stages(step_bytes(dtype, head_dim, PAGE_SIZE)))

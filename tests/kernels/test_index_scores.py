@@ -134,8 +134,8 @@ def test_index_k_cache_dtype_errors(q_dtype, k_dtype):
         msa_index_scores(q, k, bt, ri, ri, interpret=INTERPRET)
     with pytest.raises(TypeError, match=msg):
         msa_index_scores_reference(q, k, bt, ri, ri)
-    with pytest.raises(TypeError, match="index_q: dtype"):  # fp8 queries are not supported
-        msa_index_scores(q.astype(FP8), k.astype(FP8), bt, ri, ri, interpret=INTERPRET)
+    with pytest.raises(TypeError, match="index_q: dtype"):  # fp8 queries need an fp8 cache
+        msa_index_scores(q.astype(FP8), k, bt, ri, ri, interpret=INTERPRET)
 
 
 def test_reference_against_numpy_loop():
@@ -209,9 +209,11 @@ def test_validation_errors():
 def test_default_pages_per_program():
     for t, p in [(1, 64), (1, 512), (16, 64), (16, 512), (64, 64), (64, 512), (128, 64),
                  (128, 512), (3, 5)]:
-        ppp = default_pages_per_program(t, p)
-        assert ppp >= 1 and ppp & (ppp - 1) == 0 and ppp <= 64
-        assert t * -(-p // ppp) >= min(t * p, 2 * 132)  # enough programs to fill the SMs
+        for fp8, cap in ((False, 64), (True, 8)):
+            ppp = default_pages_per_program(t, p, fp8)
+            assert ppp >= 1 and ppp & (ppp - 1) == 0 and ppp <= cap
+            assert t * -(-p // ppp) >= min(t * p, 2 * 132)  # enough programs to fill the SMs
+    assert default_pages_per_program(128, 512, fp8=True) == 8  # bf16: 64
 
 
 @pytest.mark.parametrize("num_heads,pages_per_program", [(1, 1), (4, 8)])

@@ -30,7 +30,7 @@ def _specs(t, hq, hkv, *, pages=4096, rows=128, cols=512):
 
 
 @pytest.mark.parametrize("hq,hkv,batch,want", [
-    (16, 1, 1, (8, 4, 3)), (64, 4, 1, (8, 4, 3)),       # at most 8 splits
+    (16, 1, 1, (16, 4, 3)), (64, 4, 1, (16, 4, 3)),     # one page per program
     (16, 1, 16, (8, 4, 3)),                             # 128 programs: one wave, 3 stages
     (16, 1, 64, (2, 4, 3)),
     (16, 1, 128, (1, 4, 3)),                            # 128 rows: one split
@@ -78,7 +78,7 @@ def test_default_stages_fit_shared_memory():
     # the default depth is re-capped for an explicit step size; too deep a pipeline raises
     [call] = triton_calls(lower(sparse_decode, *_specs(8, 16, 1), scale=1.0,
                                 keys_per_step=64))
-    assert call["num_stages"] == 3  # 8 rows x 8 splits: one wave
+    assert call["num_stages"] == 3  # 8 rows x 16 splits: one wave
     with pytest.raises(ValueError, match="shared memory"):
         lower(sparse_decode, *_specs(128, 16, 1), scale=1.0, num_stages=5)
     assert max_stages(step_bytes(jnp.bfloat16, D, PAGE_SIZE)) == 4  # 3 x 64 KiB buffers
