@@ -53,8 +53,9 @@ def _marker():
     def kernel(o_ref):
         o_ref[...] = jnp.ones_like(o_ref)
 
-    return jax.jit(lambda: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
-                                          name=MARKER, **_common.PALLAS_KW)())
+    out_shape = jax.ShapeDtypeStruct((16,), jnp.float32)
+    return jax.jit(lambda: pl.pallas_call(kernel, out_shape=out_shape, name=MARKER,
+                                          **_common.PALLAS_KW)())
 
 
 def target(args) -> int:
@@ -130,7 +131,6 @@ def table(args) -> int:
             key, {"us": [], "grid": r.get("launch__grid_size"),
                   "regs": r.get("launch__registers_per_thread"), "dram_mb": []})
         cell["us"].append(_num(r["gpu__time_duration.sum"]) / 1e3)  # ns -> us
-        cell["grid"], cell["regs"] = r.get("launch__grid_size"), r.get("launch__registers_per_thread")
         if r.get("dram__bytes.sum"):
             cell["dram_mb"].append(_num(r["dram__bytes.sum"]) / 1e6)
     for ops in data.values():  # the last `per` launches: autotuning runs come first

@@ -94,6 +94,11 @@ def best_valid(graph: dict | None, eager: dict | None) -> tuple[float | None, st
     return min(cands)
 
 
+def fp8_inputs(x: dict) -> dict:
+    """``x`` with e4m3 index queries and an e4m3 index-K cache (the same values both sides)."""
+    return dict(x, index_q=x["index_q"].astype(FP8), index_k=x["index_k"].astype(FP8))
+
+
 def vllm_calls(vt, ops, x: dict, x8: dict | None, selected, shape: Shape) -> tuple[dict, dict]:
     """Per op, candidate (label, zero-argument closure) pairs of vLLM's ops on our inputs, the
     first that runs is timed; and the torch tensors they hold. The fp8 indexer runs vLLM's
@@ -223,7 +228,7 @@ def bench_shape(shape: Shape, vllm, *, reps: int, trials: int, rounds: int, seed
                 fp8: bool, reference_check: bool) -> dict:
     """Both sides on the same inputs, interleaved over ``rounds``; medians of all samples."""
     x = make_inputs(shape, seed)
-    x8 = dict(x, index_q=x["index_q"].astype(FP8), index_k=x["index_k"].astype(FP8)) if fp8 else None
+    x8 = fp8_inputs(x) if fp8 else None
     ours = {"indexer": (our_indexer, (x,))}
     if fp8:
         ours["indexer_fp8"] = (our_indexer, (x8,))
@@ -318,9 +323,11 @@ def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int,
         timed("decode", lambda x, sel, kw=kw: sparse_decode(
             x["q"], x["kv"], sel, x["block_table"], x["req_indices"], x["kv_lens"],
             scale=HEAD_DIM ** -0.5, **kw, **_common.PALLAS_KW), (x, selected), kw)
-    index_grid = [(ppp, w, st) for ppp in (1, 2, 4, 8, 16, 32) for w, st in ((2, 3), (4, 2), (4, 3))]
-    fp8_grid = [(ppp, w, st) for ppp in (4, 8, 16, 32, 64) for w, st in ((4, 3), (4, 4), (8, 3), (8, 4))]
-    x8 = dict(x, index_q=x["index_q"].astype(FP8), index_k=x["index_k"].astype(FP8))
+    index_grid = [(ppp, w, st) for ppp in (1, 2, 4, 8, 16, 32)
+                  for w, st in ((2, 3), (4, 2), (4, 3))]
+    fp8_grid = [(ppp, w, st) for ppp in (4, 8, 16, 32, 64)
+                for w, st in ((4, 3), (4, 4), (8, 3), (8, 4))]
+    x8 = fp8_inputs(x)
     for kernel, inputs, grid in (("index_select", x, index_grid),
                                  ("index_select_fp8", x8, fp8_grid)):
         for ppp, warps, stages in grid if kernel in kernels else ():

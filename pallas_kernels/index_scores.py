@@ -219,8 +219,8 @@ def msa_index_scores(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
     `interpret`: Pallas interpret mode; None (default) interprets on every backend but a GPU.
     Tunables (static): `pages_per_program` (power of two; default
     `default_pages_per_program(T, P, fp8 cache)`), `num_warps`, `num_stages` (software
-    pipelining depth of the page loop), `preload_block_table` (load the program's ppp page ids as one vector
-    before the loop, else one scalar load per page inside the loop).
+    pipelining depth of the page loop), `preload_block_table` (load the program's ppp page
+    ids as one vector before the loop, else one scalar load per page inside the loop).
     """
     padded_q, kw = scores_launch(index_q, index_k_cache, block_table, req_indices, positions,
                                  pages_per_program=pages_per_program, num_warps=num_warps,

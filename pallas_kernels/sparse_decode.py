@@ -93,8 +93,8 @@ def default_decode_config(num_rows: int, dtype, head_dim: int) -> dict:
     """Launch defaults of :func:`sparse_decode` for ``num_rows = T * Hkv`` (token, KV head) rows.
 
     Splits: the smallest power of two <= 16 with ``num_rows * splits >= 128`` programs (the
-    merge is inside the kernel, so splitting costs one partial store per program). 3 pipeline stages
-    while the programs fit one wave on the H200's 132 SMs, else 2, capped by shared memory;
+    merge is inside the kernel, so splitting costs one partial store per program). 3 pipeline
+    stages while the programs fit one wave on the H200's 132 SMs, else 2, capped by shared memory;
     4 warps; whole-page steps; V's invalid rows zeroed by a select. Returns a dict of
     ``num_splits, num_warps, num_stages, keys_per_step, v_mask``.
     """

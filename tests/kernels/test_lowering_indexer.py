@@ -1,6 +1,6 @@
-"""The indexer, select and fused index-select kernels lower to Triton for an (abstract) H200 at the benchmark
-shapes (bf16, and a float8_e4m3fn index-K cache): catches GPU-only
-lowering errors on the CPU."""
+"""The indexer, select and fused index-select kernels lower to Triton for an (abstract) H200
+at the benchmark shapes (bf16, and a float8_e4m3fn index-K cache): catches GPU-only lowering
+errors on the CPU."""
 
 import jax
 import jax.numpy as jnp
