@@ -5,11 +5,9 @@ scores of :func:`pallas_kernels.index_scores.msa_index_scores` (same safety boun
 tie-breaks), with ``num_valid_pages`` given or ``positions // 128 + 1``.
 
 Kernel: grid ``(T, ceil(P / ppp))`` as the indexer's. Program ``(t, c)`` scores its ``ppp``
-pages, stores them in an f32 scratch output ``[T, Hs, Pp]`` (``Pp`` a power of two >= P),
-meets its CTA at a barrier and takes a ticket from token t's counter (an acquire-release
-atomic add at GPU scope on a counter array the caller zeroes). The program that draws the
-last ticket reads the token's whole score row (volatile loads: not from L1) and runs the
-selection on it. No program waits for another. With a single chunk per token the scores
+pages, stores them in an f32 scratch output ``[T, Hs, Pp]`` (``Pp`` a power of two >= P)
+and takes a ticket from token t's counter (``pallas_kernels._ticket``). The program that
+draws the last ticket reads the token's whole score row and runs the selection on it. No program waits for another. With a single chunk per token the scores
 stay in registers and there is no ticket.
 
 Shapes / dtypes:
@@ -32,8 +30,10 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._shapes import PAGE_SIZE, TOPK, next_pow2, whole_block
+from pallas_kernels._ticket import last_to_arrive
 from pallas_kernels.index_scores import chunk_scores, msa_index_scores_reference, scores_launch
-from pallas_kernels.topk_select import select_rows, sparse_topk_select_reference
+from pallas_kernels.topk_select import (select_rows, sparse_topk_select_reference,
+                                        validate_selection)
 
 
 def num_valid_pages_of(positions: jax.Array) -> jax.Array:
@@ -63,12 +63,9 @@ def _index_select_kernel(q_ref, k_ref, bt_ref, req_ref, pos_ref, *refs, nvp_give
     _, sel_ref, scores_ref, ticket_ref = refs
     ppp = score_kw["pages_per_program"]
     scores_ref[t, :, pl.ds(c * ppp, ppp)] = acc
-    if not interpreting:
-        plt.debug_barrier()  # every thread's score stores precede the release of the ticket
-    ticket = plt.atomic_add(ticket_ref, (t,), jnp.int32(1))
 
-    @pl.when(ticket == num_chunks - 1)
-    def _select():  # the token's last program: every chunk's scores are visible (acquire)
+    @pl.when(last_to_arrive(ticket_ref, t, num_chunks, interpreting=interpreting))
+    def _select():  # the token's last program: every chunk's scores are visible
         row = plt.load(scores_ref.at[t], volatile=True)                      # [Hs, Pp]
         sel_ref[...] = select_rows(row, nvp, **select_kw)
 
@@ -95,14 +92,7 @@ def msa_index_select(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
         pages_per_program=pages_per_program, num_warps=num_warps, num_stages=num_stages,
         preload_block_table=preload_block_table)
     t, h, di = index_q.shape
-    if num_valid_pages is not None and (num_valid_pages.shape != (t,)
-                                        or num_valid_pages.dtype != jnp.int32):
-        raise ValueError(f"num_valid_pages: expected int32 [T]=({t},), got "
-                         f"{num_valid_pages.dtype} {num_valid_pages.shape}")
-    if not 0 <= local_blocks <= TOPK or not 0 <= init_blocks <= TOPK - local_blocks:
-        raise ValueError(f"local_blocks, init_blocks: need 0 <= local_blocks <= {TOPK} and "
-                         f"0 <= init_blocks <= {TOPK} - local_blocks, got {local_blocks}, "
-                         f"{init_blocks}")
+    validate_selection(t, num_valid_pages, TOPK, local_blocks, init_blocks)
     n = index_k_cache.shape[0]
     r, p = block_table.shape
     hs, ppp = score_kw["num_heads_pow2"], score_kw["pages_per_program"]

@@ -15,11 +15,10 @@ page loads, and invalid slots (``-1``, out-of-range ids, slots ``>= n_use``) loa
 half page: a smaller pipeline stage) of K and V (``[keys_per_step, D]`` each) and updates an
 online softmax (base 2, finite mask value). With one split the program writes the output.
 With several, the splits are merged inside the same launch: each program stores its
-normalised partial ``(o [M,D], lse [M])`` in f32 scratch outputs, meets its CTA at a barrier
-and takes a ticket from the row's counter (an acquire-release atomic add at GPU scope, on a
-counter array zeroed by the caller); the program that draws the last ticket reads the row's
-partials and writes their log-sum-exp merge. No program waits for another, so the order in
-which programs run does not matter.
+normalised partial ``(o [M,D], lse [M])`` in f32 scratch outputs and takes a ticket from the
+row's counter (``pallas_kernels._ticket``); the program that draws the last ticket reads the
+row's partials and writes their log-sum-exp merge. No program waits for another, so the order
+in which programs run does not matter.
 
 Safety boundary (in the kernel and in the reference): a slot is consumed iff ``slot < n_use =
 min(16, ceil(kv_len / 128))`` and its block id is in ``[0, ceil(kv_len / 128))``. Any other
@@ -46,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._interpret import resolve_interpret
+from pallas_kernels._ticket import last_to_arrive
 from pallas_kernels._shapes import (MIN_DOT, NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK, next_pow2,
                                     whole_block)
 
@@ -313,8 +313,8 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, *refs, num_
     ``bt_ref``, ``req_ref``, ``len_ref``; writes ``o_ref [M,D]``, ``lse_ref [M]``. With
     ``num_splits > 1`` also ``ticket_in_ref`` (whole ``[T*Hkv]`` int32 zeros, aliased to
     ``ticket_ref``) and the whole partials ``part_o_ref [S,T,Hkv,M,D]``, ``part_lse_ref
-    [S,T,Hkv,M]`` f32 (see the module docstring). ``interpreting``: programs run one after
-    another, so the CTA barrier (which has no interpreter rule) is left out."""
+    [S,T,Hkv,M]`` f32 (see the module docstring); ``interpreting`` as in
+    :func:`pallas_kernels._ticket.last_to_arrive`."""
     if num_splits == 1:
         o_ref, lse_ref = refs
     else:
@@ -371,13 +371,10 @@ def _decode_kernel(req_ref, len_ref, bt_ref, sel_ref, q_ref, kv_ref, *refs, num_
         return
     part_o_ref[split, t, h] = out
     part_lse_ref[split, t, h] = lse
-    if not interpreting:
-        plt.debug_barrier()  # every thread's partial stores precede the release of the ticket
-    ticket = plt.atomic_add(ticket_ref, (t * pl.num_programs(1) + h,), jnp.int32(1))
 
-    @pl.when(ticket == num_splits - 1)
-    def _merge():  # the last program of the row: every other partial is visible (acquire);
-        # volatile loads bypass L1, which may hold a line of a neighbour row read earlier
+    @pl.when(last_to_arrive(ticket_ref, t * pl.num_programs(1) + h, num_splits,
+                            interpreting=interpreting))
+    def _merge():  # the last program of the row: every other partial is visible
         parts_o = plt.load(part_o_ref.at[:, t, h], volatile=True)   # [S, M, D]
         parts_lse = plt.load(part_lse_ref.at[:, t, h], volatile=True)  # [S, M]
         o_all, lse_all = merge_splits(parts_o, parts_lse, in_kernel=True)
@@ -437,10 +434,10 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
     v_mask = cfg["v_mask"] if v_mask is None else v_mask
     _check_tunable("v_mask", "sparse_decode", v_mask, V_MASKS)
+    interpreting = resolve_interpret(interpret)
     kernel = functools.partial(_decode_kernel, num_splits=splits, keys_per_step=kps,
                                v_mask=v_mask, head_dim=d, num_pages=n, num_rows=r, num_cols=p,
-                               scale_log2=float(scale) * LOG2E,
-                               interpreting=resolve_interpret(interpret))
+                               scale_log2=float(scale) * LOG2E, interpreting=interpreting)
     in_specs = [
         whole_block((t,)),                                                 # req_indices
         whole_block((t,)),                                                 # kv_lens
@@ -471,7 +468,7 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=kernel.keywords["interpreting"],
+        interpret=interpreting,
         name="msa_sparse_decode",
     )(*args)
     out = o[:, :, :g].reshape(t, hq, d).astype(q.dtype)

@@ -40,11 +40,20 @@ def _validate(scores, num_valid_pages, topk, local_blocks, init_blocks) -> None:
         raise ValueError(f"scores: expected shape [T >= 1, H >= 1, P >= 1], got {scores.shape}")
     if jnp.dtype(scores.dtype) != jnp.dtype(jnp.float32):
         raise TypeError(f"scores: dtype must be float32, got {scores.dtype}")
-    if num_valid_pages.shape != (scores.shape[0],):
-        raise ValueError(f"num_valid_pages: expected shape [T]=({scores.shape[0]},), "
-                         f"got {num_valid_pages.shape}")
-    if jnp.dtype(num_valid_pages.dtype) != jnp.dtype(jnp.int32):
-        raise TypeError(f"num_valid_pages: dtype must be int32, got {num_valid_pages.dtype}")
+    validate_selection(scores.shape[0], num_valid_pages, topk, local_blocks, init_blocks)
+
+
+def validate_selection(num_tokens: int, num_valid_pages, topk, local_blocks,
+                       init_blocks) -> None:
+    """The selector's own arguments (``num_valid_pages`` may be None: counted elsewhere);
+    raises ValueError / TypeError naming the offending argument and the bound."""
+    if num_valid_pages is not None:
+        if num_valid_pages.shape != (num_tokens,):
+            raise ValueError(f"num_valid_pages: expected shape [T]=({num_tokens},), "
+                             f"got {num_valid_pages.shape}")
+        if jnp.dtype(num_valid_pages.dtype) != jnp.dtype(jnp.int32):
+            raise TypeError(f"num_valid_pages: dtype must be int32, "
+                            f"got {num_valid_pages.dtype}")
     if not isinstance(topk, int) or not is_pow2(topk):
         raise ValueError(f"topk: must be a power of two >= 1, got {topk}")
     if not isinstance(local_blocks, int) or not 0 <= local_blocks <= topk:
@@ -108,9 +117,17 @@ def _topk_select_kernel(s_ref, cnt_ref, out_ref, *, max_pages: int, topk: int,
                                local_blocks=local_blocks, init_blocks=init_blocks)
 
 
-def _select_call(scores, counts, *, topk: int, local_blocks: int, init_blocks: int,
-                 interpret: bool | None, num_warps: int):
-    """The pallas_call of the selector; `counts` [T] int32 is num_valid_pages."""
+@functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks",
+                                             "interpret", "num_warps"))
+def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: int = TOPK,
+                       local_blocks: int = 1, init_blocks: int = 0,
+                       interpret: bool | None = None, num_warps: int = 4) -> jax.Array:
+    """Selected block ids [T, H, topk] int32 (see module docstring), Pallas Triton kernel.
+
+    `interpret`: Pallas interpret mode; None (default) interprets on every backend but a GPU.
+    Tunable (static): `num_warps`.
+    """
+    _validate(scores, num_valid_pages, topk, local_blocks, init_blocks)
     if num_warps < 1 or not is_pow2(num_warps):
         raise ValueError(f"num_warps: must be a power of two >= 1, got {num_warps}")
     t, h, p = scores.shape
@@ -130,23 +147,8 @@ def _select_call(scores, counts, *, topk: int, local_blocks: int, init_blocks: i
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=resolve_interpret(interpret),
         name="sparse_topk_select",
-    )(scores, counts)
+    )(scores, num_valid_pages)
     return out[:, :h] if hs != h else out
-
-
-@functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks",
-                                             "interpret", "num_warps"))
-def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: int = TOPK,
-                       local_blocks: int = 1, init_blocks: int = 0,
-                       interpret: bool | None = None, num_warps: int = 4) -> jax.Array:
-    """Selected block ids [T, H, topk] int32 (see module docstring), Pallas Triton kernel.
-
-    `interpret`: Pallas interpret mode; None (default) interprets on every backend but a GPU.
-    Tunable (static): `num_warps`.
-    """
-    _validate(scores, num_valid_pages, topk, local_blocks, init_blocks)
-    return _select_call(scores, num_valid_pages, topk=topk, local_blocks=local_blocks,
-                        init_blocks=init_blocks, interpret=interpret, num_warps=num_warps)
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks"))
