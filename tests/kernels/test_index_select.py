@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _helpers import INTERPRET
+from _helpers import INTERPRET, fresh_seed
 from pallas_kernels import TOPK
 from pallas_kernels.index_select import (msa_index_select, msa_index_select_reference,
                                          num_valid_pages_of)
@@ -13,12 +13,6 @@ from test_index_scores import MAX_PAGES, make_batch
 from test_topk_select import check_structure
 
 FP8 = jnp.float8_e4m3fn
-
-
-def fresh_seed() -> int:
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print(f"seed {seed}")  # shown when the test fails
-    return seed
 
 
 @pytest.mark.parametrize("pages_per_program", [1, 4, 16, 64])  # 32, 8, 2 and 1 chunk(s)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels._lowering import lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode_reference
@@ -43,10 +44,6 @@ def _fresh_interpreter():
     yield
 POISON_V = 1000.0
 TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 output, P rounded to bf16 before P V
-
-
-def _fresh_seed() -> int:
-    return int(np.random.SeedSequence().entropy % (2 ** 31))
 
 
 def build_batch(seed, *, hq, hkv, d, tokens=3, pad_tokens=1, max_blocks=6, long_first=False,
@@ -146,24 +143,24 @@ BIG_CLUSTERS = [(16, 1, 128, 8, 2, True), (8, 2, 64, 4, 2, False)]
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", IN_PROCESS)
 def test_matches_reference(hq, hkv, d, num_splits, num_stages, long_first):
-    check_matches_reference(_fresh_seed(), hq, hkv, d, num_splits, num_stages, long_first)
+    check_matches_reference(fresh_seed(), hq, hkv, d, num_splits, num_stages, long_first)
 
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", BIG_CLUSTERS)
 def test_matches_reference_big_clusters(hq, hkv, d, num_splits, num_stages, long_first):
-    seed = _fresh_seed()
+    seed = fresh_seed()
     if ON_GPU:
         check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first)
         return
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     case = json.dumps([seed, hq, hkv, d, num_splits, num_stages, long_first])
-    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+    code = ("import json, sys; sys.path[:0] = sys.argv[1:4]\n"
             "import test_sparse_decode_mgpu as m\n"
-            "m.check_matches_reference(*json.loads(sys.argv[3]))\n")
+            "m.check_matches_reference(*json.loads(sys.argv[4]))\n")
     env = dict(os.environ, PJRT_NPROC="16", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", code, root, here, case], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", code, root, os.path.dirname(here), here, case],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -173,7 +170,7 @@ def test_nan_in_consumed_page_reaches_output_and_poison_shows(num_splits):
     """Token 0: NaN in one consumed key -> its rows' out and lse are NaN. Token 1: NaN in
     one consumed value row -> its out is NaN, its lse finite. Token 2: one slot consumes a
     block whose table entry is the poison page -> V = 1000 shows. Other rows: unchanged."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     hq, hkv, d = 16, 1, 128
     (q, kv, sel, bt, req, lens), poison = build_batch(seed, hq=hq, hkv=hkv, d=d, tokens=4)
     kv = np.array(kv)
