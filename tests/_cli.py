@@ -1,7 +1,13 @@
-"""The CLI tests' shared check: a command refused with one stderr line and exit status 2."""
+"""What the CLI tests share: a command refused with one stderr line and exit status 2, and
+the arguments of a tiny demo run."""
 import pytest
 
 from jax_msa_runner.cli import main
+
+# `demo` on tiny settings: 3 short requests of 3 output tokens, 2 layers, 2 rows per step
+TINY_DEMO = ["demo", "--num-requests", "3", "--long-prompts", "0", "--max-model-len", "512",
+             "--output-len", "3", "--num-layers", "2", "--max-num-batched-tokens", "8",
+             "--max-num-seqs", "2"]
 
 
 def refused(argv, capsys) -> str:

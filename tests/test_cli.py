@@ -8,7 +8,7 @@ import jax
 import pytest
 
 import jax_msa_runner.demo as demo
-from _cli import refused
+from _cli import TINY_DEMO, refused
 from jax_msa_runner.batch.buckets import make_buckets
 from jax_msa_runner.batch.staging import DUMMY_KINDS
 from jax_msa_runner.cli import build_parser, main
@@ -141,9 +141,7 @@ def test_demo_serves_a_tiny_workload(capsys):
     """End to end on tiny settings: every request finishes, no compilation after warm-up,
     every step's metadata validated, the summary printed on stdout (the progress bar on
     stderr)."""
-    rc = main(["demo", "--num-requests", "3", "--long-prompts", "0", "--max-model-len", "512",
-               "--output-len", "3", "--num-layers", "2", "--max-num-batched-tokens", "8",
-               "--max-num-seqs", "2", "--temperature", "0.5", "--debug"])
+    rc = main([*TINY_DEMO, "--temperature", "0.5", "--debug"])
     out, err = capsys.readouterr()
     assert rc == 0, out + err
     assert "requests            3/3 finished" in out

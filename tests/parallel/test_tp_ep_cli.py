@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from _checkpoint_writer import write_checkpoint
-from _cli import refused
+from _cli import TINY_DEMO, refused
 from jax_msa_runner.attention.parallel import param_bytes_per_device, param_spec, tp_layout
 from jax_msa_runner.cli import main
 from jax_msa_runner.config import ModelConfig
@@ -60,9 +60,7 @@ def test_logits_and_serve_refuse_bad_mesh_flags(tmp_path, capsys):
 
 
 def test_demo_serves_over_an_expert_parallel_mesh(capsys):
-    rc = main(["demo", "--num-requests", "3", "--long-prompts", "0", "--max-model-len", "512",
-               "--output-len", "3", "--num-layers", "2", "--max-num-batched-tokens", "8",
-               "--max-num-seqs", "2", "--ep", "2", "--debug"])
+    rc = main([*TINY_DEMO, "--ep", "2", "--debug"])
     out, err = capsys.readouterr()
     assert rc == 0, out + err
     assert "mesh: dcp 1 x tensor 1 x expert 2 over 2 devices" in out

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 import _workload as wl
+from _cli import TINY_DEMO
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -59,9 +60,7 @@ def test_two_process_demo_over_an_expert_parallel_mesh():
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    argv = ["demo", "--num-requests", "3", "--long-prompts", "0", "--max-model-len", "512",
-            "--output-len", "3", "--num-layers", "2", "--max-num-batched-tokens", "8",
-            "--max-num-seqs", "2", "--ep", "4", "--coordinator", f"127.0.0.1:{port}",
+    argv = [*TINY_DEMO, "--ep", "4", "--coordinator", f"127.0.0.1:{port}",
             "--num-processes", "2", "--process-id"]
     procs = [subprocess.Popen([sys.executable, "-m", "jax_msa_runner.cli", *argv, str(i)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE,
