@@ -46,6 +46,19 @@ def run_all(s: Scheduler, max_steps=10_000):
     return steps
 
 
+def add_all(s: Scheduler, lens, new) -> tuple[list[int], list[int]]:
+    """Adds request i (prompt of lens[i] tokens, new[i] output tokens) for each i; returns
+    the ids accepted and the ids rejected (RequestRejectedError), in order."""
+    accepted, rejected = [], []
+    for i, l in enumerate(lens):
+        try:
+            s.add_request(Request(i, tuple(range(l)), new[i]))
+            accepted.append(i)
+        except RequestRejectedError:
+            rejected.append(i)
+    return accepted, rejected
+
+
 def make(n, lens, new, **cfg):
     s = Scheduler(SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 16,
                                      "max_model_len": 512, "num_pages": 12, **cfg}))
@@ -97,13 +110,10 @@ def test_outputs_independent_of_budget_and_pages():
 def test_property_no_request_lost_or_duplicated(lens, new, budget, pages, seqs):
     s = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget,
                                   max_model_len=400, num_pages=pages))
-    accepted = []
-    for i, l in enumerate(lens):
-        try:
-            s.add_request(Request(i, tuple(range(l)), new[i]))
-            accepted.append(i)
-        except RequestRejectedError:
-            assert pages_needed(l + new[i] - 1) > pages - len(RESERVED_PAGES) or l + new[i] > 400
+    accepted, rejected = add_all(s, lens, new)
+    for i in rejected:
+        assert (pages_needed(lens[i] + new[i] - 1) > pages - len(RESERVED_PAGES)
+                or lens[i] + new[i] > 400)
     run_all(s)
     assert sorted(s.finished) == accepted
     for i in accepted:
@@ -159,13 +169,7 @@ def test_property_abort_anywhere_frees_pages_and_slots(lens, new, aborts, pages,
     finish with their full outputs, and every page and slot is back at the end."""
     s = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=16,
                                   max_model_len=400, num_pages=pages))
-    accepted = []
-    for i, l in enumerate(lens):
-        try:
-            s.add_request(Request(i, tuple(range(l)), new[i]))
-            accepted.append(i)
-        except RequestRejectedError:
-            pass
+    accepted, _ = add_all(s, lens, new)
     plan = dict(aborts)
     aborted = set()
     step = 0
