@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import (PAGE_SIZE, TOPK, msa_index_scores, msa_index_scores_reference,
@@ -71,17 +72,11 @@ def _attention_inputs(seed, t=3, hq=16, hkv=1, d=32, pages=6):
     return q, kv, jnp.asarray(sel), bt, req, kv_lens
 
 
-def test_sparse_decode_without_interpret_argument():
-    args = _attention_inputs(24)
-    out, lse = sparse_decode(*args, scale=0.2)
+@pytest.mark.parametrize("kernel,reference,seed", [
+    (sparse_decode, sparse_decode_reference, 24), (sparse_prefill, sparse_prefill_reference, 25)])
+def test_sparse_attention_without_interpret_argument(kernel, reference, seed):
+    args = _attention_inputs(seed)
+    out, lse = kernel(*args, scale=0.2)
     chex.assert_shape((out, lse), ((3, 16, 32), (3, 16)))
-    chex.assert_trees_all_close((out, lse), sparse_decode_reference(*args, scale=0.2),
-                                rtol=1e-2 if ON_GPU else 2e-5, atol=1e-2 if ON_GPU else 2e-5)
-
-
-def test_sparse_prefill_without_interpret_argument():
-    args = _attention_inputs(25)
-    out, lse = sparse_prefill(*args, scale=0.2)
-    chex.assert_shape((out, lse), ((3, 16, 32), (3, 16)))
-    chex.assert_trees_all_close((out, lse), sparse_prefill_reference(*args, scale=0.2),
+    chex.assert_trees_all_close((out, lse), reference(*args, scale=0.2),
                                 rtol=1e-2 if ON_GPU else 2e-5, atol=1e-2 if ON_GPU else 2e-5)
