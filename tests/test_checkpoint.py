@@ -100,29 +100,18 @@ def _rewrite(folder, fn):
     save_file(tensors, path)
 
 
-def test_missing_key(tmp_path, params):
-    write_checkpoint(tmp_path, params, CFG, scheme="released")
-    key = "model.layers.2.block_sparse_moe.experts.4.w3.weight"
+@pytest.mark.parametrize("scheme,vl,key,rest", [
+    ("released", False, "model.layers.2.block_sparse_moe.experts.4.w3.weight",
+     r" \(expected shape \(12, 40\)\) for param 'layers.2.experts_gate_up'"),
+    ("released", True, "language_model.model.layers.0.mlp.up_proj.weight",   # split projection
+     r" \(expected shape \(24, 40\)\) for param 'layers.0.gate_up_proj'"),
+    ("transformers", False, "model.layers.1.mlp.gate.e_score_correction_bias",
+     r" \(expected shape \(5,\)\)"),
+])
+def test_missing_key(tmp_path, params, scheme, vl, key, rest):
+    write_checkpoint(tmp_path, params, CFG, scheme=scheme, vl=vl)
     _rewrite(tmp_path, lambda t: {k: v for k, v in t.items() if k != key})
-    with pytest.raises(CheckpointError, match=rf"^missing key '{key}' \(expected shape \(12, 40\)\) "
-                                              r"for param 'layers.2.experts_gate_up'"):
-        load(tmp_path, dtype="float32")
-
-
-def test_missing_split_projection(tmp_path, params):
-    write_checkpoint(tmp_path, params, CFG, scheme="released", vl=True)
-    key = "language_model.model.layers.0.mlp.up_proj.weight"
-    _rewrite(tmp_path, lambda t: {k: v for k, v in t.items() if k != key})
-    with pytest.raises(CheckpointError, match=rf"^missing key '{key}' \(expected shape \(24, 40\)\) "
-                                              r"for param 'layers.0.gate_up_proj'"):
-        load(tmp_path, dtype="float32")
-
-
-def test_missing_key_transformers_scheme(tmp_path, params):
-    write_checkpoint(tmp_path, params, CFG, scheme="transformers")
-    key = "model.layers.1.mlp.gate.e_score_correction_bias"
-    _rewrite(tmp_path, lambda t: {k: v for k, v in t.items() if k != key})
-    with pytest.raises(CheckpointError, match=rf"^missing key '{key}' \(expected shape \(5,\)\)"):
+    with pytest.raises(CheckpointError, match=rf"^missing key '{key}'" + rest):
         load(tmp_path, dtype="float32")
 
 
