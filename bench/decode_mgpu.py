@@ -1,5 +1,8 @@
 """H200 benchmark: Mosaic GPU sparse decode against the Triton sparse decode, 16 shapes.
 
+Variants: the Mosaic GPU decode with and without programmatic dependent launch (``pdl``), and
+the Triton decode.
+
 Shapes: Hq/Hkv 16/1 and 64/4, D 128, B decode tokens in 1/16/64/128, every request at context
 L in 8192/65536 with a random page permutation, 16 distinct selected blocks per (token, KV
 head) including the local (last) block; bf16. Bytes per call: K and V of 16 pages per KV head,
@@ -94,8 +97,16 @@ def mgpu_fn(**kw):
         q, kv, sel, bt, req, lens, scale=SCALE, interpret=False, **kw)
 
 
-def triton_fn(q, kv, sel, bt, req, lens):
-    return sparse_decode(q, kv, sel, bt, req, lens, scale=SCALE)
+def triton_fn(**kw):
+    return lambda q, kv, sel, bt, req, lens: sparse_decode(q, kv, sel, bt, req, lens,
+                                                           scale=SCALE, **kw)
+
+
+VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in the table
+    "mgpu": mgpu_fn(),
+    "mgpu_nopdl": mgpu_fn(pdl=False),
+    "triton": triton_fn(),
+}
 
 
 def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool) -> dict:
@@ -106,8 +117,8 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool)
     row = dict(shape=shape_id(shape), hq=shape.hq, hkv=shape.hkv, batch=shape.batch,
                context=shape.context, bytes=shape.decode_bytes,
                mgpu_config=dict(num_splits=default_splits(rows),
-                                num_stages=default_stages(HEAD_DIM, default_splits(rows))))
-    for name, fn in (("mgpu", mgpu_fn()), ("triton", triton_fn)):
+                                num_stages=default_stages(HEAD_DIM, default_splits(rows), rows)))
+    for name, fn in VARIANTS.items():
         try:
             out = jax.jit(fn)(*args)
             row[f"{name}_err"] = errors(*out, *ref)
@@ -135,8 +146,8 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool)
 
 def table(rows: list[dict]) -> str:
     head = ("| Hq/Hkv | B | L | mgpu us | triton us | triton/mgpu | mgpu TB/s | mgpu cfg "
-            "| mgpu rel L2 | triton rel L2 | kernels mgpu/triton |")
-    lines = [head, "|" + "---|" * 11]
+            "| mgpu rel L2 | triton rel L2 | kernels mgpu/triton | mgpu no PDL us |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         def us(k):
             v = r.get(k, {}).get("us")
@@ -150,7 +161,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['hq']}/{r['hkv']} | {r['batch']} | {r['context']} | {us('mgpu')} | "
             f"{us('triton')} | {sp} | {tbs} | S{cfg['num_splits']} st{cfg['num_stages']} | "
             f"{err('mgpu_err')} | {err('triton_err')} | "
-            f"{r.get('mgpu_kernels', '-')}/{r.get('triton_kernels', '-')} |")
+            f"{r.get('mgpu_kernels', '-')}/{r.get('triton_kernels', '-')} | "
+            f"{us('mgpu_nopdl')} |")
     return "\n".join(lines)
 
 

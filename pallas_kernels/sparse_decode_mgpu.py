@@ -36,7 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._shapes import PAGE_SIZE, SMEM_BYTES, TOPK
+from pallas_kernels._interpret import resolve_interpret
+from pallas_kernels._shapes import NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK
 from pallas_kernels.sparse_decode import validate_inputs
 
 ROWS = 64  # wgmma M of one warpgroup: the GQA group is padded to this many dot rows
@@ -76,20 +77,28 @@ def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 
     return ring + q + p + stage + ROWS * 4 + SMEM_RESERVE
 
 
-def default_stages(head_dim: int, num_splits: int) -> int:
-    """Deepest ring (<= 3) that fits; a split never holds more than ``ceil(16 / S)`` pages."""
+def default_stages(head_dim: int, num_splits: int, num_rows: int = 1) -> int:
+    """Deepest ring (<= 3) that fits; a split never holds more than ``ceil(16 / S)`` pages.
+
+    With clusters of 8 over more than half the SMs (``num_rows * 8 > 66`` CTAs) a CTA keeps to
+    half an SM's shared memory: two then fit per SM, so every cluster of 8 finds room in one
+    GPC and the grid runs as one wave (at one CTA per SM some clusters wait for a second)."""
     pages = -(-TOPK // num_splits)
+    budget = SMEM_BYTES
+    if num_splits == SPLITS[-1] and num_rows * num_splits > NUM_SMS_H200 // 2:
+        budget = SMEM_BYTES // 2
     for stages in (3, 2, 1):
-        if stages <= pages and smem_bytes(head_dim, stages, num_splits) <= SMEM_BYTES:
+        if stages <= pages and smem_bytes(head_dim, stages, num_splits) <= budget:
             return stages
     return 1
 
 
 def _interpret_params(interpret):
-    """``None``: interpret iff the default backend is not a GPU; ``True``/``False``; or an
+    """``None``: interpret iff the trace does not target a GPU
+    (:func:`pallas_kernels._interpret.resolve_interpret`); ``True``/``False``; or an
     ``InterpretGPUParams``. Interpreting skips the kernel's inline fences (``inline_mgpu``)."""
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = resolve_interpret(None)
     if interpret is False:
         return None
     if interpret is True:
@@ -107,7 +116,7 @@ def _cluster_fence(_ctx):
 
 
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
-                 num_cols, scale_log2, dtype, interpreting):
+                 num_cols, scale_log2, dtype, interpreting, pdl):
     s_, ns, d = num_splits, num_stages, head_dim
     width = d // s_  # output columns merged and written by one CTA
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
@@ -128,6 +137,8 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     # Q: zero the padding rows, then TMA the group's rows in (independent of the metadata).
     q_smem[...] = jnp.zeros((ROWS, d), dtype)
     plgpu.commit_smem()
+    if pdl and not interpreting:  # launched early: wait for the previous kernel's writes
+        plgpu.griddepcontrol_wait()
     plgpu.copy_gmem_to_smem(q_ref.at[t, h], q_smem.at[pl.ds(0, group)], qbar)
 
     # Metadata as scalars: the safety boundary, the page ids, the rank of each consumed slot.
@@ -220,6 +231,8 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
                               plgpu.Layout.WGMMA.reduce(1)),
             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
     acc, m, l = lax.fori_loop(0, n_mine, step, init)
+    if pdl and not interpreting:  # the next kernel may start its prologue (it waits for us)
+        plgpu.griddepcontrol_launch_dependents()
 
     if s_ == 1:
         m_all, l_all, acc_cols = m, l, acc
@@ -263,9 +276,10 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
+                                             "pdl"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
-                       interpret=None, num_splits=None, num_stages=None):
+                       interpret=None, num_splits=None, num_stages=None, pdl=True):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
     :func:`pallas_kernels.sparse_decode.sparse_decode`.
 
@@ -276,11 +290,14 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         load nothing). block_table: ``[R, P]`` int32 page ids; req_indices ``[T]`` int32 rows of
         it. kv_lens: ``[T]`` int32 visible keys per token (0 = padded row).
       scale: softmax scale (static).
-      interpret: ``None`` interprets on a non-GPU backend; ``True``/``False``; or a
+      interpret: ``None`` interprets unless the trace targets a GPU; ``True``/``False``; or a
         ``plgpu.InterpretGPUParams``.
       num_splits: CTAs per (token, KV head) in {1, 2, 4, 8} (a cluster; merged in the kernel);
         ``None``: :func:`default_splits`. num_stages: TMA ring depth in {1, 2, 3}; ``None``:
         :func:`default_stages`.
+      pdl: launch with programmatic dependent launch: the kernel may start while the previous
+        kernel of the stream drains and waits (``griddepcontrol.wait``) before it reads any
+        input; it lets the next kernel launch once its page loop is done.
     Returns:
       ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``, lse the natural-log LSE of the scaled
       scores; rows without a visible key give zeros and -inf.
@@ -298,7 +315,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     splits = default_splits(t * hkv) if num_splits is None else num_splits
     if splits not in SPLITS:
         raise ValueError(f"{name}: num_splits must be one of {SPLITS}, got {splits}")
-    stages = default_stages(d, splits) if num_stages is None else num_stages
+    stages = default_stages(d, splits, t * hkv) if num_stages is None else num_stages
     if stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
     if smem_bytes(d, stages, splits) > SMEM_BYTES:
@@ -336,7 +353,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     body = functools.partial(
         _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
         num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
-        interpreting=interpret is not None)
+        interpreting=interpret is not None, pdl=bool(pdl))
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(t, hkv), grid_names=("t", "h"),

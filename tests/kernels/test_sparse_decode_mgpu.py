@@ -29,6 +29,7 @@ from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels._lowering import lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode_reference
+from pallas_kernels._shapes import NUM_SMS_H200
 from pallas_kernels.sparse_decode_mgpu import (SMEM_BYTES, default_splits, default_stages,
                                                smem_bytes, sparse_decode_mgpu)
 
@@ -247,6 +248,21 @@ def test_default_config_fits_shared_memory():
     assert default_stages(128, 1) == 3 and default_stages(128, 8) == 2
 
 
+@pytest.mark.parametrize("rows", [1, 4, 8, 9, 16, 64])
+def test_default_stages_leave_room_for_two_ctas_when_clusters_of_8_fill_the_gpu(rows):
+    """Clusters of 8 over more than half the SMs: a CTA's ring keeps to half of an SM's
+    shared memory (two CTAs per SM); fewer CTAs keep the deepest ring that fits."""
+    crowded = rows * 8 > NUM_SMS_H200 // 2
+    for d in (64, 128):
+        stages = default_stages(d, 8, rows)
+        if crowded:
+            assert smem_bytes(d, stages, 8) <= SMEM_BYTES // 2
+        else:
+            assert stages == default_stages(d, 8)
+    assert default_stages(128, 8, rows) == (1 if rows * 8 > NUM_SMS_H200 // 2 else 2)
+    assert default_stages(128, 2, rows) == 3  # smaller clusters: unaffected
+
+
 def _mosaic_calls(text):
     return [line for line in text.splitlines() if "stablehlo.custom_call" in line]
 
@@ -271,3 +287,15 @@ def test_tunables_lower_for_h200(num_splits, num_stages):
     text = lower_for_cuda(sparse_decode_mgpu, *_specs(16, 64, 4), scale=1.0, interpret=False,
                           num_splits=num_splits, num_stages=num_stages)
     assert len(_mosaic_calls(text)) == 1
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_pdl_marks_the_kernel(pdl):
+    """``pdl=True`` (the default) lowers to a kernel marked for programmatic dependent launch,
+    with the grid-dependency wait (before any input read) and the early launch of dependents;
+    ``pdl=False`` to one without either."""
+    text = lower_for_cuda(sparse_decode_mgpu, *_specs(16, 16, 1), scale=1.0, interpret=False,
+                          pdl=pdl)
+    assert len(_mosaic_calls(text)) == 1
+    for marker in ("mosaic_gpu.uses_pdl", "griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+        assert (marker in text) == pdl, marker
