@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import PAGE_SIZE, TOPK
-from pallas_kernels.sparse_decode import sparse_decode
+from pallas_kernels.sparse_decode_default import sparse_decode_default
 from pallas_kernels.index_select import msa_index_select
 
 HEAD_DIM = 128
@@ -78,5 +78,5 @@ def our_indexer(x: dict) -> jax.Array:
 
 def our_decode(x: dict, selected: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sparse decode over ``selected`` -> (out [B, Hq, D] bf16, lse [B, Hq] f32)."""
-    return sparse_decode(x["q"], x["kv"], selected, x["block_table"], x["req_indices"],
+    return sparse_decode_default(x["q"], x["kv"], selected, x["block_table"], x["req_indices"],
                          x["kv_lens"], scale=HEAD_DIM ** -0.5, **_common.PALLAS_KW)

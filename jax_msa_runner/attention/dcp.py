@@ -57,7 +57,8 @@ from jax_msa_runner.attention.dense import paged_causal_attention
 from jax_msa_runner.attention.paged_cache import write_index_k, write_kv
 from jax_msa_runner.batch.metadata import BatchMetadata
 from pallas_kernels.index_scores import msa_index_scores, msa_index_scores_reference
-from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
+from pallas_kernels.sparse_decode import sparse_decode_reference
+from pallas_kernels.sparse_decode_default import sparse_decode_default
 from pallas_kernels.topk_select import sparse_topk_select
 
 DCP_AXIS = "dcp"
@@ -360,7 +361,7 @@ def rank_msa_attention(q: jax.Array, index_q: jax.Array, kv: jax.Array, index_k:
     glob, local = _rank_select(index_q, index_k, md, world_size=world_size,
                                use_kernels=use_kernels, interpret=interpret,
                                init_blocks=init_blocks)
-    decode_fn = (functools.partial(sparse_decode, interpret=interpret) if use_kernels
+    decode_fn = (functools.partial(sparse_decode_default, interpret=interpret) if use_kernels
                  else sparse_decode_reference)
     out, lse = decode_fn(q, kv, local, md.block_table, md.req_indices,
                          local_kv_lens(md, world_size, rank), scale=scale)

@@ -1,6 +1,7 @@
 """MSA attention for one batch: index scores -> top-16 page select -> sparse attention.
 
-`msa_attention` wires the kernels (the indexer and the select run as one launch) to a
+`msa_attention` wires the kernels (the indexer and the select run as one launch; decode on
+the kernel `sparse_decode_default` picks for the batch's shape) to a
 batch's `BatchMetadata` (any object with the fields block_table, req_indices, positions,
 num_valid_pages and kv_lens): the selector
 reads `num_valid_pages` (derived from positions) and the attention reads `kv_lens`
@@ -16,7 +17,8 @@ import functools
 import jax
 
 from pallas_kernels.index_select import msa_index_select, msa_index_select_reference
-from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
+from pallas_kernels.sparse_decode import sparse_decode_reference
+from pallas_kernels.sparse_decode_default import sparse_decode_default
 from pallas_kernels.sparse_prefill import sparse_prefill
 
 
@@ -42,7 +44,7 @@ def msa_attention(q, index_q, kv_cache, index_k_cache, md, *, scale, prefill=Fal
     selected = msa_index_select(index_q, index_k_cache, md.block_table, md.req_indices,
                                 md.positions, md.num_valid_pages, local_blocks=local_blocks,
                                 init_blocks=init_blocks, interpret=interpret)
-    attend = sparse_prefill if prefill else sparse_decode
+    attend = sparse_prefill if prefill else sparse_decode_default
     out, lse = attend(q, kv_cache, selected, md.block_table, md.req_indices, md.kv_lens,
                       scale=scale, interpret=interpret)
     return out, lse, selected
