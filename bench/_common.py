@@ -4,7 +4,7 @@
   ``python3 bench/kernels.py``) and filters the one known warning (the Pallas Triton
   backend's deprecation), nothing else.
 - ``time_jax``: the one timer of our JAX ops, in two L2 modes named in every output:
-  ``"cold"``: ONE jitted executable holding (256 MiB flush; optimization_barrier; op) is
+  ``"cold"``: ONE jitted executable holding (512 MiB flush; optimization_barrier; op) is
   dispatched ``n`` times back to back, then the flush-only executable ``n`` times; a sample
   is the wall-time difference over ``n``. Each executable holds exactly one flush and one op,
   so every op runs right after a flush whatever order XLA gives the two inside it (XLA drops
@@ -50,15 +50,18 @@ ON_GPU = jax.default_backend() == "gpu"
 PALLAS_KW: dict = {} if ON_GPU else {"interpret": True}
 
 L2_MODES = ("cold", "warm")
-FLUSH_BYTES = 256 << 20  # the cold-L2 flush: 5x the H200's 50 MiB L2
+# The cold-L2 flush: 10x the H200's 50 MiB L2, and long enough (about 265 us) that the host's
+# dispatch of one (flush; op) executable (100-180 us with a dict of inputs) stays shorter.
+FLUSH_BYTES = 512 << 20
 
 
 def timer_description(l2: str, n: int) -> str:
     """One line naming how ``time_jax`` measured (for JSON and printed tables)."""
     _check_l2(l2)
     if l2 == "cold":
-        return (f"cold L2: one XLA executable (256 MiB flush; optimization_barrier; op) "
-                f"dispatched {n} x back to back minus the flush-only executable {n} x, per call")
+        return (f"cold L2: one XLA executable ({FLUSH_BYTES >> 20} MiB flush; "
+                f"optimization_barrier; op) dispatched {n} x back to back minus the flush-only "
+                f"executable {n} x, per call")
     return (f"warm L2: the op's XLA executable dispatched {n} x back to back (no flush), "
             f"wall time per call")
 

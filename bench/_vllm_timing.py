@@ -1,8 +1,8 @@
 """Timing of vLLM 0.33.0's MiniMax-M3 ops as GPU work (torch; imported only for the vLLM side).
 
 vLLM serves these ops inside CUDA graphs, so its Python launch time is not part of a serving
-step. Two timings of an op, both against the same 256 MiB flush as ours (``buf.add_(1)``,
-read + write):
+step. Two timings of an op, both against the same flush as ours (``FLUSH_BYTES``,
+``buf.add_(1)``: read + write):
 
 - graph: a CUDA graph holding (flush; op), replayed ``n`` times, minus a flush-only graph
   replayed ``n`` times; CUDA events around each replay loop.

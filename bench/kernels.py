@@ -8,12 +8,12 @@ the same device buffers (DLPack) in one process:
   * indexer + select, fp8: the same e4m3 index queries (bf16 rounded to e4m3) over the same
     e4m3 index-K cache on both sides, an fp8 x fp8 dot on each;
     bytes B*L*128 (on the L=65536 shapes unless --fp8 all);
-  * sparse decode: ours `sparse_decode_default` (Mosaic GPU at T*Hkv <= 64, else Triton) vs
+  * sparse decode: ours `sparse_decode_default` (Mosaic GPU at T*Hkv <= 32, else Triton) vs
     vLLM's `minimax_m3_sparse_attn_decode`, both on OUR selection; bytes = K and V of 16
     pages per KV head, B*Hkv*16*128*256*2;
   * the copy bandwidth (the roofline) in the same process.
 
-Timing (every figure GPU work after a 256 MiB L2 flush, medians over --rounds x --trials):
+Timing (every figure GPU work after a 512 MiB L2 flush, medians over --rounds x --trials):
   * ours: --reps x (flush; optimization_barrier; op) in ONE XLA executable minus --reps x flush
     (bench/_common.time_jax, cold L2);
   * vLLM: the faster of (graph) a CUDA graph of (flush; op) replayed --reps times minus a
@@ -43,8 +43,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from _common import (KERNEL_COUNT_DOC, compile_op, geomean, hlo_kernel_count,  # noqa: E402
-                     median_us, rel_l2, time_jax, timer_description)
+from _common import (FLUSH_BYTES, KERNEL_COUNT_DOC, compile_op, geomean,  # noqa: E402
+                     hlo_kernel_count, median_us, rel_l2, time_jax, timer_description)
 from _shapes_inputs import (FP8, HEAD_DIM, Shape, all_shapes, make_inputs,  # noqa: E402
                             our_decode, our_indexer)
 from pallas_kernels import TOPK  # noqa: E402
@@ -547,8 +547,8 @@ def main(argv=None) -> int:
         "meta": _common.run_meta(), "copy": copy, "vllm_ops": vllm_note,
         "timing": {
             "ours": timer_description("cold", reps) + f"; median of {rounds} x {trials} samples",
-            "vllm": (f"faster of graph (CUDA graph of (256 MiB flush; op) replayed {reps} x minus "
-                     f"a flush-only graph) and eager ({reps} x (flush x k; op) issued "
+            "vllm": (f"faster of graph (CUDA graph of ({FLUSH_BYTES >> 20} MiB flush; op) "
+                     f"replayed {reps} x minus a flush-only graph) and eager ({reps} x (flush x k; op) issued "
                      f"asynchronously minus {reps} x flush x k, used only where host time per "
                      f"iteration < flush time); median of {rounds} x {trials} samples; vLLM's "
                      f"decode runs on our selection"),
@@ -557,7 +557,8 @@ def main(argv=None) -> int:
     if vllm is not None:
         result["vllm_versions"] = vllm[0].versions()
         result["vllm_flush_us"] = vllm[2].flush_us
-        print(f"torch flush (256 MiB add_) {vllm[2].flush_us:.1f} us on the GPU", flush=True)
+        print(f"torch flush ({FLUSH_BYTES >> 20} MiB add_) {vllm[2].flush_us:.1f} us on the GPU",
+              flush=True)
     json_path = os.path.join(args.out, "kernels.json")
     for shape in shapes:
         if args.budget_s and time.perf_counter() - t_start > args.budget_s:
