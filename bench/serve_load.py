@@ -181,12 +181,13 @@ async def http_request(hc, prompt, args) -> Record:
 
 async def engine_request(engine, prompt, args) -> Record:
     from jax_msa_runner.serving.engine import GenerationParams
+    from jax_msa_runner.serving.sampling import SamplingParams
 
     rec = Record()
     seed = random.randrange(2**31) if args.temperature > 0 else None
-    stream = engine.submit(prompt, GenerationParams(max_tokens=args.output_len,
-                                                    temperature=args.temperature, seed=seed,
-                                                    ignore_eos=True))
+    stream = engine.submit(prompt, GenerationParams(
+        max_tokens=args.output_len, sampling=SamplingParams(temperature=args.temperature),
+        seed=seed, ignore_eos=True))
     async for ev in stream:
         if ev.token_ids:
             rec.chunks.append((time.perf_counter(), len(ev.token_ids)))

@@ -46,6 +46,7 @@ from jax_msa_runner.mesh_flags import (HOST_DEVICES_FLAG, add_distributed_args, 
                                        check_mesh_flags, init_distributed)
 from jax_msa_runner.serving.kv_cache import pages_needed
 from jax_msa_runner.serving.runner import ModelRunner, serve
+from jax_msa_runner.serving.sampling import SamplingParams
 from jax_msa_runner.serving.scheduler import Request, RequestRejectedError, Scheduler
 
 # The synthetic workload: short prompts drawn from three length ranges (inclusive) with these
@@ -125,7 +126,8 @@ def _workload(args: argparse.Namespace, vocab: int) -> list[Request]:
             n = int(rng.choice([int(rng.integers(lo, hi + 1)) for lo, hi in SHORT_PROMPT_RANGES],
                                p=SHORT_PROMPT_P))
         reqs.append(Request(i, tuple(int(t) for t in rng.integers(0, vocab, n)), args.output_len,
-                            temperature=args.temperature, seed=args.seed * SEED_STRIDE + i))
+                            sampling=SamplingParams(temperature=args.temperature),
+                            seed=args.seed * SEED_STRIDE + i))
     # long prompts are spread over the arrival order, not all at the front
     order = rng.permutation(len(reqs))
     return [reqs[j] for j in order]
@@ -157,7 +159,8 @@ def _text_workload(args: argparse.Namespace, tok, vocab: int) -> list[Request]:
         if not ids or max(ids) >= vocab:
             raise FlagError("--prompt", f"{text!r} tokenizes to {ids[:8]}: needs at least one "
                                         f"token, every id < the model's vocab_size={vocab}")
-        reqs.append(Request(i, tuple(ids), args.output_len, temperature=args.temperature,
+        reqs.append(Request(i, tuple(ids), args.output_len,
+                            sampling=SamplingParams(temperature=args.temperature),
                             seed=args.seed * SEED_STRIDE + i,
                             stop_token_ids=frozenset(tok.eos_token_ids)))
     return reqs

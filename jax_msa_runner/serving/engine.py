@@ -28,8 +28,8 @@ from typing import Sequence
 from jax_msa_runner.config import SchedulerConfig
 from jax_msa_runner.serving.metrics import ServerMetrics
 from jax_msa_runner.serving.runner import ModelRunner
-from jax_msa_runner.serving.sampling import (NUM_TOP_LOGPROBS, SamplingParamError, StepOutput,
-                                             check_sampling)
+from jax_msa_runner.serving.sampling import (NUM_TOP_LOGPROBS, SamplingParamError,
+                                             SamplingParams, StepOutput)
 from jax_msa_runner.serving.scheduler import (Request, RequestRejectedError, ScheduledBatch,
                                               Scheduler, Status, check_request_fits)
 from jax_msa_runner.serving.tokenizer_io import TextStream, Tokenizer
@@ -49,6 +49,7 @@ class EngineDeadError(RuntimeError):
 class GenerationParams:
     """What to generate for one request (API names; ``check`` validates them).
 
+    sampling: the token-picking knobs (temperature, top_k, top_p, min_p, penalties).
     logprobs: None for no logprobs, else N in [0, 20]: the chosen token's logprob and the
     top N alternatives. stop: up to 16 non-empty strings (not part of the output);
     stop_token_ids: ids that end the generation (their text is not part of the output);
@@ -56,14 +57,8 @@ class GenerationParams:
     """
 
     max_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
+    sampling: SamplingParams = SamplingParams()
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
@@ -75,11 +70,7 @@ class GenerationParams:
             raise SamplingParamError("max_tokens", f"must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise SamplingParamError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                       min_p=self.min_p, presence_penalty=self.presence_penalty,
-                       frequency_penalty=self.frequency_penalty,
-                       repetition_penalty=self.repetition_penalty,
-                       seed=0 if self.seed is None else self.seed, vocab_size=vocab_size)
+        self.sampling.check(seed=0 if self.seed is None else self.seed, vocab_size=vocab_size)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise SamplingParamError("stop", f"at most {MAX_STOP_STRINGS} strings, got "
                                              f"{len(self.stop)}")
@@ -124,11 +115,8 @@ def make_request(request_id: int, prompt: Sequence[int], params: GenerationParam
     """The scheduler Request the engine serves for ``params``: the eos ids join the stop token
     ids unless ``ignore_eos`` (stop strings and logprobs are the engine's business)."""
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    return Request(request_id, tuple(prompt), params.max_tokens, temperature=params.temperature,
-                   seed=seed, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                   presence_penalty=params.presence_penalty,
-                   frequency_penalty=params.frequency_penalty,
-                   repetition_penalty=params.repetition_penalty, stop_token_ids=frozenset(stops))
+    return Request(request_id, tuple(prompt), params.max_tokens, sampling=params.sampling,
+                   seed=seed, stop_token_ids=frozenset(stops))
 
 
 class RequestStream:

@@ -18,6 +18,7 @@ import json
 from typing import Any, Sequence
 
 from jax_msa_runner.serving.engine import GenerationParams, TokenLogprob
+from jax_msa_runner.serving.sampling import SamplingParams
 from jax_msa_runner.serving.tokenizer_io import CHAT_ROLES, Tokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
@@ -105,7 +106,8 @@ class ParsedRequest:
     """A validated request before tokenization.
 
     Exactly one of prompt_text / prompt_ids is set. max_tokens None: the default of the
-    endpoint once the prompt length is known. ``fields`` maps generation-parameter names to
+    endpoint once the prompt length is known. ``generation``: the other GenerationParams
+    fields (sampling, seed, stops, ignore_eos). ``fields`` maps generation-parameter names to
     the API field that set them (for error messages).
     """
 
@@ -113,7 +115,7 @@ class ParsedRequest:
     prompt_text: str | None
     prompt_ids: list[int] | None
     max_tokens: int | None
-    sampling: dict[str, Any]
+    generation: dict[str, Any]
     stream: bool
     include_usage: bool
     return_token_ids: bool
@@ -121,7 +123,7 @@ class ParsedRequest:
     fields: dict[str, str]
 
     def params(self, max_tokens: int) -> GenerationParams:
-        return GenerationParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+        return GenerationParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.generation)
 
 
 def check_model(body: dict, model_name: str) -> None:
@@ -134,7 +136,7 @@ def check_model(body: dict, model_name: str) -> None:
                        code="model_not_found")
 
 
-def _sampling_fields(body: dict) -> dict[str, Any]:
+def _generation_fields(body: dict) -> dict[str, Any]:
     top_k = _integer(body, "top_k", 0)
     if top_k == -1:
         top_k = 0  # vLLM's "off"
@@ -153,12 +155,13 @@ def _sampling_fields(body: dict) -> dict[str, Any]:
         ids = ()
     elif not isinstance(ids, list):
         raise bad_request("stop_token_ids", "must be a list of token ids", "invalid_type")
-    return dict(temperature=_number(body, "temperature", 1.0), top_k=top_k,
-                top_p=_number(body, "top_p", 1.0), min_p=_number(body, "min_p", 0.0),
-                seed=_integer(body, "seed", None),
-                presence_penalty=_number(body, "presence_penalty", 0.0),
-                frequency_penalty=_number(body, "frequency_penalty", 0.0),
-                repetition_penalty=_number(body, "repetition_penalty", 1.0), stop=stop,
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0), top_k=top_k,
+        top_p=_number(body, "top_p", 1.0), min_p=_number(body, "min_p", 0.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0))
+    return dict(sampling=sampling, seed=_integer(body, "seed", None), stop=stop,
                 stop_token_ids=tuple(ids), ignore_eos=_boolean(body, "ignore_eos", False))
 
 
@@ -213,7 +216,7 @@ def parse_completion(body: dict, model_name: str) -> ParsedRequest:
     stream, include_usage = _stream_fields(body)
     return ParsedRequest(chat=False, prompt_text=text, prompt_ids=ids,
                          max_tokens=_integer(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS),
-                         sampling=_sampling_fields(body), stream=stream,
+                         generation=_generation_fields(body), stream=stream,
                          include_usage=include_usage,
                          return_token_ids=_boolean(body, "return_token_ids", False),
                          logprobs=logprobs, fields={"prompt": "prompt", "max_tokens": "max_tokens",
@@ -270,7 +273,7 @@ def parse_chat(body: dict, model_name: str, tokenizer: Tokenizer) -> ParsedReque
         raise bad_request("top_logprobs", "requires logprobs to be true")
     stream, include_usage = _stream_fields(body)
     return ParsedRequest(chat=True, prompt_text=text, prompt_ids=None, max_tokens=max_tokens,
-                         sampling=_sampling_fields(body), stream=stream,
+                         generation=_generation_fields(body), stream=stream,
                          include_usage=include_usage,
                          return_token_ids=_boolean(body, "return_token_ids", False),
                          logprobs=(top or 0) if want else None,

@@ -34,6 +34,8 @@ Step output (one int32 array, one device-to-host copy): ``[R, 2 + 2K]`` with col
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import NamedTuple
 
@@ -105,6 +107,26 @@ def check_sampling(*, temperature, top_k, top_p, min_p, presence_penalty, freque
     s = _integer("seed", seed)
     if not INT32_MIN <= s <= INT32_MAX:
         raise SamplingParamError("seed", f"must be in [{INT32_MIN}, {INT32_MAX}], got {s}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens, in the OpenAI API's names: temperature (0: greedy),
+    top_k (0: off), top_p, min_p, and the presence, frequency and repetition penalties
+    (neutral: 0, 0 and 1). The one definition of these knobs: the scheduler's ``Request`` and
+    the engine's ``GenerationParams`` both hold one."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def check(self, *, seed, vocab_size: int | None = None) -> None:
+        """:func:`check_sampling` of these knobs and ``seed``."""
+        check_sampling(**dataclasses.asdict(self), seed=seed, vocab_size=vocab_size)
 
 
 # ---- per-row parameters (host packing, device unpacking) --------------------------------------

@@ -34,7 +34,7 @@ import numpy as np
 
 from jax_msa_runner.config import RESERVED_PAGES, SchedulerConfig
 from jax_msa_runner.serving.kv_cache import BlockAllocator, pages_needed
-from jax_msa_runner.serving.sampling import SamplingParamError, SamplingRows, check_sampling
+from jax_msa_runner.serving.sampling import SamplingParamError, SamplingParams, SamplingRows
 
 
 class RequestRejectedError(ValueError):
@@ -93,15 +93,9 @@ class Request:
     request_id: int
     prompt: tuple[int, ...]
     max_new_tokens: int
-    temperature: float = 0.0
+    sampling: SamplingParams = SamplingParams()
     seed: int = 0
     eos_token_id: int | None = None
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     stop_token_ids: frozenset[int] = frozenset()
     output: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
@@ -176,11 +170,7 @@ class Scheduler:
             raise RequestRejectedError(f"request {rid}: duplicate request id", "request_id")
         try:
             check_request_fits(self.config, len(request.prompt), request.max_new_tokens)
-            check_sampling(temperature=request.temperature, top_k=request.top_k,
-                           top_p=request.top_p, min_p=request.min_p,
-                           presence_penalty=request.presence_penalty,
-                           frequency_penalty=request.frequency_penalty,
-                           repetition_penalty=request.repetition_penalty, seed=request.seed)
+            request.sampling.check(seed=request.seed)
         except RequestRejectedError as e:
             raise RequestRejectedError(f"request {rid}: {e}", e.field) from None
         except SamplingParamError as e:
@@ -321,10 +311,11 @@ def _sampling_rows(reqs: Sequence[Request]) -> SamplingRows:
 
     return SamplingRows(
         seed=col(lambda r: r.seed, np.int32), sample_index=col(lambda r: len(r.output), np.int32),
-        top_k=col(lambda r: r.top_k, np.int32), slot=col(lambda r: r.slot, np.int32),
+        top_k=col(lambda r: r.sampling.top_k, np.int32), slot=col(lambda r: r.slot, np.int32),
         prompt_len=col(lambda r: len(r.prompt), np.int32),
-        temperature=col(lambda r: r.temperature, np.float32),
-        top_p=col(lambda r: r.top_p, np.float32), min_p=col(lambda r: r.min_p, np.float32),
-        presence_penalty=col(lambda r: r.presence_penalty, np.float32),
-        frequency_penalty=col(lambda r: r.frequency_penalty, np.float32),
-        repetition_penalty=col(lambda r: r.repetition_penalty, np.float32))
+        temperature=col(lambda r: r.sampling.temperature, np.float32),
+        top_p=col(lambda r: r.sampling.top_p, np.float32),
+        min_p=col(lambda r: r.sampling.min_p, np.float32),
+        presence_penalty=col(lambda r: r.sampling.presence_penalty, np.float32),
+        frequency_penalty=col(lambda r: r.sampling.frequency_penalty, np.float32),
+        repetition_penalty=col(lambda r: r.sampling.repetition_penalty, np.float32))

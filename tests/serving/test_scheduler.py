@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from jax_msa_runner.config import RESERVED_PAGES
 from jax_msa_runner.serving.kv_cache import pages_needed
+from jax_msa_runner.serving.sampling import SamplingParams
 from jax_msa_runner.serving.scheduler import (Request, RequestRejectedError, Scheduler, SchedulerConfig,
                                       Status)
 
@@ -221,8 +222,9 @@ def test_rejections_name_the_field():
              (Request(1, tuple(range(200)), 101), "max_new_tokens", "exceeds max_model_len"),
              (Request(2, tuple(range(280)), 5), "prompt", "needs 3 KV pages"),
              (Request(3, tuple(range(200)), 60), "max_new_tokens", "needs 3 KV pages"),
-             (Request(4, (1,), 5, top_p=0.0), "top_p", r"\(0, 1\]"),
-             (Request(5, (1,), 5, temperature=3.0), "temperature", r"\[0, 2\]")]
+             (Request(4, (1,), 5, sampling=SamplingParams(top_p=0.0)), "top_p", r"\(0, 1\]"),
+             (Request(5, (1,), 5, sampling=SamplingParams(temperature=3.0)), "temperature",
+              r"\[0, 2\]")]
     for req, field, msg in cases:
         with pytest.raises(RequestRejectedError, match=msg) as e:
             s.add_request(req)

@@ -26,6 +26,7 @@ from jax_msa_runner.config import ModelConfig, RunnerConfig, SchedulerConfig
 from jax_msa_runner.serving.compile_count import CompileCounter
 from jax_msa_runner.serving.engine import Engine, GenerationParams, make_request
 from jax_msa_runner.serving.runner import ModelRunner, serve
+from jax_msa_runner.serving.sampling import SamplingParams
 from jax_msa_runner.serving.scheduler import Scheduler
 from jax_msa_runner.serving.server import ServerThread, build_app
 from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
@@ -42,8 +43,8 @@ RNG = np.random.default_rng(2024)
 
 # ---- the workload (prompts as token ids, GenerationParams) -------------------------------------
 
-SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, presence_penalty=0.5,
-               frequency_penalty=0.3, repetition_penalty=1.2)
+SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, presence_penalty=0.5,
+                         frequency_penalty=0.3, repetition_penalty=1.2)
 TEXT_PROMPTS = ["Hello, world", "The quick brown fox jumps", "é€😀 unicode ✓", "a"]
 IDS_PROMPT = [int(t) for t in RNG.integers(0, MC.vocab_size, 37)]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
@@ -60,7 +61,7 @@ def _load_workload():
         n = int(RNG.choice([RNG.integers(1, 20), RNG.integers(20, 200), RNG.integers(200, 300)]))
         prompt = [int(t) for t in RNG.integers(0, MC.vocab_size, n)]
         m = int(RNG.integers(1, 25))
-        params = (GenerationParams(max_tokens=m, seed=500 + i, **SAMPLED) if i % 2 else
+        params = (GenerationParams(max_tokens=m, seed=500 + i, sampling=SAMPLED) if i % 2 else
                   GenerationParams(max_tokens=m))
         reqs.append((prompt, params))
     return reqs
@@ -75,7 +76,7 @@ REFERENCE_CASES = {
     **{("text", i): (TOK.encode(p), GenerationParams(max_tokens=12)) for i, p in enumerate(TEXT_PROMPTS)},
     ("ids",): (IDS_PROMPT, GenerationParams(max_tokens=10)),
     ("chat",): (CHAT_IDS, GenerationParams(max_tokens=10)),
-    ("seeded",): (TOK.encode("Once upon a time"), GenerationParams(max_tokens=24, seed=1234, **SAMPLED)),
+    ("seeded",): (TOK.encode("Once upon a time"), GenerationParams(max_tokens=24, seed=1234, sampling=SAMPLED)),
     ("seeded-greedy",): (TOK.encode("Once upon a time"), GenerationParams(max_tokens=24)),
     ("stop",): (STOP_PROMPT, GenerationParams(max_tokens=40)),
     ("good",): (TOK.encode("ok"), GenerationParams(max_tokens=2)),
@@ -133,12 +134,13 @@ def client(live):
 
 
 def sampling_body(params: GenerationParams) -> dict:
-    body = dict(max_tokens=params.max_tokens, temperature=params.temperature)
-    if params.temperature > 0:
-        body.update(seed=params.seed, top_p=params.top_p, presence_penalty=params.presence_penalty,
-                    frequency_penalty=params.frequency_penalty)
-        body["extra_body"] = dict(top_k=params.top_k, min_p=params.min_p,
-                                  repetition_penalty=params.repetition_penalty,
+    s = params.sampling
+    body = dict(max_tokens=params.max_tokens, temperature=s.temperature)
+    if s.temperature > 0:
+        body.update(seed=params.seed, top_p=s.top_p, presence_penalty=s.presence_penalty,
+                    frequency_penalty=s.frequency_penalty)
+        body["extra_body"] = dict(top_k=s.top_k, min_p=s.min_p,
+                                  repetition_penalty=s.repetition_penalty,
                                   return_token_ids=True)
     else:
         body["extra_body"] = dict(return_token_ids=True)

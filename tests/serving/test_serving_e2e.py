@@ -10,6 +10,7 @@ import pytest
 
 from jax_msa_runner.config import ModelConfig, RunnerConfig
 from jax_msa_runner.serving.runner import ModelRunner, serve
+from jax_msa_runner.serving.sampling import SamplingParams
 from jax_msa_runner.serving.scheduler import Request, Scheduler, SchedulerConfig
 
 MC = ModelConfig.tiny(num_layers=3, sparse_attention_freq=(0, 1, 1), num_heads=4, head_dim=32,
@@ -38,7 +39,8 @@ def _serve(runner, reqs, *, budget=64, pages=CACHE_PAGES, seqs=16, max_steps=Non
 def _reqs(lens, new, temperature=0.0, seed=0):
     rng = np.random.default_rng(seed)
     return [Request(i, tuple(int(t) for t in rng.integers(0, MC.vocab_size, n)), m,
-                    temperature=temperature if i % 2 else 0.0, seed=1000 + i)
+                    sampling=SamplingParams(temperature=temperature if i % 2 else 0.0),
+                    seed=1000 + i)
             for i, (n, m) in enumerate(zip(lens, new))]
 
 
