@@ -9,7 +9,8 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import (PAGE_SIZE, TOPK, msa_index_scores, msa_index_scores_reference,
                             msa_index_select, msa_index_select_reference, sparse_decode,
-                            sparse_decode_reference, sparse_prefill, sparse_prefill_reference,
+                            sparse_decode_default, sparse_decode_reference, sparse_prefill,
+                            sparse_prefill_reference,
                             sparse_topk_select, sparse_topk_select_reference)
 from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._lowering import H200
@@ -73,7 +74,8 @@ def _attention_inputs(seed, t=3, hq=16, hkv=1, d=32, pages=6):
 
 
 @pytest.mark.parametrize("kernel,reference,seed", [
-    (sparse_decode, sparse_decode_reference, 24), (sparse_prefill, sparse_prefill_reference, 25)])
+    (sparse_decode, sparse_decode_reference, 24), (sparse_prefill, sparse_prefill_reference, 25),
+    (sparse_decode_default, sparse_decode_reference, 26)])
 def test_sparse_attention_without_interpret_argument(kernel, reference, seed):
     args = _attention_inputs(seed)
     out, lse = kernel(*args, scale=0.2)
