@@ -14,6 +14,9 @@ unnormalised state ``(acc [64, D], m [64], l [64])`` in f32 output buffers, the 
 a cluster barrier (with acquire/release fences), and CTA ``c`` merges the ``S`` states for the
 head-dim columns ``[c * D / S, (c + 1) * D / S)`` and writes them: the split merge happens
 inside the kernel. Outputs leave through shared memory by TMA, only the group's real rows.
+With ``pdl`` (the default) the kernel is launched with programmatic dependent launch: it
+waits for the previous kernel's writes (``griddepcontrol.wait``) before its first input read
+and lets the next kernel launch once its page loop is done.
 
 Safety boundary (as the Triton kernel and the reference): a slot ``j`` is consumed iff
 ``j < min(ceil(kv_len / 128), 16)`` and its block id is in ``[0, min(ceil(kv_len / 128), P))``;
