@@ -7,8 +7,9 @@ tie-breaks), with ``num_valid_pages`` given or ``positions // 128 + 1``.
 Kernel: grid ``(T, ceil(P / ppp))`` as the indexer's. Program ``(t, c)`` scores its ``ppp``
 pages, stores them in an f32 scratch output ``[T, Hs, Pp]`` (``Pp`` a power of two >= P)
 and takes a ticket from token t's counter (``pallas_kernels._ticket``). The program that
-draws the last ticket reads the token's whole score row and runs the selection on it. No program waits for another. With a single chunk per token the scores
-stay in registers and there is no ticket.
+draws the last ticket reads the token's whole score row and runs the selection on it. No
+program waits for another. With a single chunk per token the scores stay in registers and
+there is no ticket.
 
 Shapes / dtypes:
   index_q          [T, H, Di]   bf16 | f16 | f32
@@ -30,7 +31,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._shapes import PAGE_SIZE, TOPK, next_pow2, whole_block
-from pallas_kernels._ticket import last_to_arrive
+from pallas_kernels._ticket import last_to_arrive, with_ticket
 from pallas_kernels.index_scores import chunk_scores, msa_index_scores_reference, scores_launch
 from pallas_kernels.topk_select import (select_rows, sparse_topk_select_reference,
                                         validate_selection)
@@ -114,13 +115,9 @@ def msa_index_select(index_q: jax.Array, index_k_cache: jax.Array, block_table: 
     out_shape = [jax.ShapeDtypeStruct((t, hs, TOPK), jnp.int32)]
     aliases = {}
     if num_chunks > 1:  # scores of all chunks meet in a scratch row; a ticket per token
-        in_specs.append(whole_block((t,)))
-        args.append(jnp.zeros((t,), jnp.int32))
-        width = next_pow2(num_chunks * ppp)
-        out_specs += [whole_block((t, hs, width)), whole_block((t,))]
-        out_shape += [jax.ShapeDtypeStruct((t, hs, width), jnp.float32),
-                      jax.ShapeDtypeStruct((t,), jnp.int32)]
-        aliases = {len(args) - 1: len(out_shape) - 1}
+        in_specs, args, out_specs, out_shape, aliases = with_ticket(
+            in_specs, args, out_specs, out_shape, num_rows=t,
+            scratch=[((t, hs, next_pow2(num_chunks * ppp)), jnp.float32)])
     selected, *_ = pl.pallas_call(
         kernel,
         grid=(t, num_chunks),

@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._interpret import resolve_interpret
-from pallas_kernels._ticket import last_to_arrive
+from pallas_kernels._ticket import last_to_arrive, with_ticket
 from pallas_kernels._shapes import (MIN_DOT, NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK, next_pow2,
                                     whole_block)
 
@@ -452,14 +452,11 @@ def sparse_decode(q, kv_cache, selected, block_table, req_indices, kv_lens, *, s
                  jax.ShapeDtypeStruct((t, hkv, m_rows), jnp.float32)]
     args = [req_indices, kv_lens, block_table, selected, qg, kv_cache]
     aliases = {}
-    if splits > 1:  # the in-kernel merge: a ticket counter per row, the partials in f32
-        in_specs.append(whole_block((t * hkv,)))
-        args.append(jnp.zeros((t * hkv,), jnp.int32))
-        parts = ((splits, t, hkv, m_rows, d), (splits, t, hkv, m_rows), (t * hkv,))
-        out_specs += [whole_block(shape) for shape in parts]
-        out_shape += [jax.ShapeDtypeStruct(shape, dtype)
-                      for shape, dtype in zip(parts, (jnp.float32, jnp.float32, jnp.int32))]
-        aliases = {len(args) - 1: len(out_shape) - 1}
+    if splits > 1:  # the in-kernel merge: the partials in f32, a ticket counter per row
+        in_specs, args, out_specs, out_shape, aliases = with_ticket(
+            in_specs, args, out_specs, out_shape, num_rows=t * hkv,
+            scratch=[((splits, t, hkv, m_rows, d), jnp.float32),
+                     ((splits, t, hkv, m_rows), jnp.float32)])
     o, lse, *_ = pl.pallas_call(
         kernel,
         grid=(t, hkv, splits),
