@@ -78,5 +78,6 @@ def our_indexer(x: dict) -> jax.Array:
 
 def our_decode(x: dict, selected: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sparse decode over ``selected`` -> (out [B, Hq, D] bf16, lse [B, Hq] f32)."""
-    return sparse_decode_default(x["q"], x["kv"], selected, x["block_table"], x["req_indices"],
-                         x["kv_lens"], scale=HEAD_DIM ** -0.5, **_common.PALLAS_KW)
+    return sparse_decode_default(x["q"], x["kv"], selected, x["block_table"],
+                                 x["req_indices"], x["kv_lens"], scale=HEAD_DIM ** -0.5,
+                                 **_common.PALLAS_KW)

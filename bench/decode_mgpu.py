@@ -97,15 +97,14 @@ def mgpu_fn(**kw):
         q, kv, sel, bt, req, lens, scale=SCALE, interpret=False, **kw)
 
 
-def triton_fn(**kw):
-    return lambda q, kv, sel, bt, req, lens: sparse_decode(q, kv, sel, bt, req, lens,
-                                                           scale=SCALE, **kw)
+def triton_fn(q, kv, sel, bt, req, lens):
+    return sparse_decode(q, kv, sel, bt, req, lens, scale=SCALE)
 
 
 VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in the table
     "mgpu": mgpu_fn(),
     "mgpu_nopdl": mgpu_fn(pdl=False),
-    "triton": triton_fn(),
+    "triton": triton_fn,
 }
 
 

@@ -1,12 +1,11 @@
 """MSA attention for one batch: index scores -> top-16 page select -> sparse attention.
 
 `msa_attention` wires the kernels (the indexer and the select run as one launch; decode on
-the kernel `sparse_decode_default` picks for the batch's shape) to a
-batch's `BatchMetadata` (any object with the fields block_table, req_indices, positions,
-num_valid_pages and kv_lens): the selector
-reads `num_valid_pages` (derived from positions) and the attention reads `kv_lens`
-(derived from seq_lens); staging guarantees they agree (validate.py checks it) and the
-attention kernel's safety boundary makes a disagreement harmless anyway.
+the kernel `sparse_decode_default` picks for the batch's shape) to a batch's `BatchMetadata`
+(any object with the fields block_table, req_indices, positions, num_valid_pages and
+kv_lens): the selector reads `num_valid_pages` (derived from positions) and the attention
+reads `kv_lens` (derived from seq_lens); staging guarantees they agree (validate.py checks
+it) and the attention kernel's safety boundary makes a disagreement harmless anyway.
 
 `msa_attention_reference` is the same pipeline on the pure jax.numpy references.
 """
