@@ -50,7 +50,7 @@ ON_GPU = jax.default_backend() == "gpu"
 PALLAS_KW: dict = {} if ON_GPU else {"interpret": True}
 
 L2_MODES = ("cold", "warm")
-# The cold-L2 flush: 10x the H200's 50 MiB L2, and long enough (about 265 us) that the host's
+# The cold-L2 flush: 10x the H200's 50 MiB L2, and long enough (about 255 us) that the host's
 # dispatch of one (flush; op) executable (100-180 us with a dict of inputs) stays shorter.
 FLUSH_BYTES = 512 << 20
 

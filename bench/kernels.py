@@ -328,7 +328,7 @@ def sweep_shape(shape: Shape, *, reps: int, trials: int, seed: int,
                   for w, st in ((2, 3), (4, 2), (4, 3))]
     fp8_grid = [(ppp, w, st) for ppp in (4, 8, 16, 32, 64)
                 for w, st in ((4, 3), (4, 4), (8, 3), (8, 4))]
-    x8 = fp8_inputs(x)
+    x8 = fp8_inputs(x) if "index_select_fp8" in kernels else None
     for kernel, inputs, grid in (("index_select", x, index_grid),
                                  ("index_select_fp8", x8, fp8_grid)):
         for ppp, warps, stages in grid if kernel in kernels else ():
@@ -548,8 +548,8 @@ def main(argv=None) -> int:
         "timing": {
             "ours": timer_description("cold", reps) + f"; median of {rounds} x {trials} samples",
             "vllm": (f"faster of graph (CUDA graph of ({FLUSH_BYTES >> 20} MiB flush; op) "
-                     f"replayed {reps} x minus a flush-only graph) and eager ({reps} x (flush x k; op) issued "
-                     f"asynchronously minus {reps} x flush x k, used only where host time per "
+                     f"replayed {reps} x minus a flush-only graph) and eager ({reps} x "
+                     f"(flush x k; op) issued asynchronously minus {reps} x flush x k, used only where host time per "
                      f"iteration < flush time); median of {rounds} x {trials} samples; vLLM's "
                      f"decode runs on our selection"),
             "kernel_count": KERNEL_COUNT_DOC},

@@ -297,5 +297,6 @@ def test_pdl_marks_the_kernel(pdl):
     text = lower_for_cuda(sparse_decode_mgpu, *_specs(16, 16, 1), scale=1.0, interpret=False,
                           pdl=pdl)
     assert len(_mosaic_calls(text)) == 1
-    for marker in ("mosaic_gpu.uses_pdl", "griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+    for marker in ("mosaic_gpu.uses_pdl", "griddepcontrol.wait",
+                   "griddepcontrol.launch_dependents"):
         assert (marker in text) == pdl, marker
