@@ -2,10 +2,9 @@
 matches the reference.
 
 The choice is checked on the CUDA lowering for an abstract H200 (which custom call the call
-lowers to). Numerics: a fresh random batch of 64 (token, KV head) rows (the Mosaic GPU kernel
-then runs clusters of 2, which the CPU interpreter can run in process) with -1 and
-out-of-range ids, padded rows and a finite poison page wherever no token may read; on a CPU
-backend both kernels run interpreted, on the H200 compiled.
+lowers to). Numerics: a fresh ``_decode_batch.build_batch`` of 68 (token, KV head) rows (the
+Mosaic GPU kernel then runs clusters of 2, which the CPU interpreter can run in process);
+on a CPU backend both kernels run interpreted, on the H200 compiled.
 """
 from __future__ import annotations
 
@@ -15,14 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _decode_batch import POISON_V, build_batch
 from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels._lowering import TRITON_CUSTOM_CALL, lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
 from pallas_kernels.sparse_decode_default import (MOSAIC_MAX_ROWS, decode_backend,
                                                   sparse_decode_default)
-
-POISON_V = 1000.0
 
 
 @pytest.mark.parametrize("rows,hq,hkv,d,dtype,interpreting,want", [
@@ -62,38 +60,11 @@ def test_lowers_to_the_chosen_kernel_for_h200(t, hq, hkv, dtype, want):
     assert (len(mosaic), len(triton)) == ((1, 0) if want == "mosaic" else (0, 1)), calls
 
 
-def random_batch(seed, *, tokens=16, hq=16, hkv=4, d=64, dtype=jnp.bfloat16):
-    """``tokens`` decode tokens (the last one padded: kv_len 0) of one request each, random
-    kv lengths (not multiples of 128, up to 20 blocks), selections with repeats, -1 and
-    out-of-range ids; every block-table entry no token may read is the poison page
-    (K = 0, V = 1000), so a read of it shows in the output."""
-    rng = np.random.default_rng(seed)
-    kv_lens = rng.integers(1, 20 * PAGE_SIZE, tokens).astype(np.int32)
-    kv_lens[-1] = 0
-    cols = 21
-    n_pages = tokens * cols + 2
-    poison = n_pages - 1
-    blocks = -(-kv_lens // PAGE_SIZE)
-    block_table = np.full((tokens, cols), poison, np.int32)
-    pages = rng.permutation(np.arange(1, poison))
-    for i in range(tokens):
-        block_table[i, :blocks[i]] = pages[i * cols:i * cols + blocks[i]]
-    sel = rng.integers(0, np.maximum(blocks, 1)[:, None, None], (tokens, hkv, TOPK))
-    sel[rng.random(sel.shape) < 0.2] = -1
-    sel[rng.random(sel.shape) < 0.05] = 100_000
-    kv = rng.standard_normal((n_pages, hkv, PAGE_SIZE, 2 * d)).astype(np.float32)
-    kv[poison, :, :, :d] = 0.0
-    kv[poison, :, :, d:] = POISON_V
-    q = rng.standard_normal((tokens, hq, d)).astype(np.float32)
-    return (jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(sel, jnp.int32),
-            jnp.asarray(block_table), jnp.arange(tokens, dtype=jnp.int32),
-            jnp.asarray(kv_lens))
-
-
 @pytest.mark.parametrize("backend", [None, "mosaic", "triton"])
 def test_matches_reference_on_either_kernel(backend):
     seed = fresh_seed()
-    args = random_batch(seed)
+    args, _ = build_batch(seed, hq=16, hkv=4, d=64, tokens=16, long_first=True)
+    args = tuple(jnp.asarray(a) for a in args)
     scale = 64 ** -0.5
     out, lse = sparse_decode_default(*args, scale=scale, backend=backend)
     ref_out, ref_lse = sparse_decode_reference(*args, scale=scale)
@@ -111,4 +82,5 @@ def test_matches_reference_on_either_kernel(backend):
 
 def test_rejects_an_unknown_backend():
     with pytest.raises(ValueError, match="backend must be one of"):
-        sparse_decode_default(*random_batch(0, tokens=2, hkv=1), scale=1.0, backend="cuda")
+        args, _ = build_batch(0, hq=16, hkv=1, d=64, tokens=2)
+        sparse_decode_default(*map(jnp.asarray, args), scale=1.0, backend="cuda")
