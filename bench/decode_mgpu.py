@@ -9,7 +9,7 @@ head) including the local (last) block; bf16. Bytes per call: K and V of 16 page
 ``B * Hkv * 16 * 128 * 256 * 2``.
 
 Timing: ``_common.time_jax`` with a cold L2 (the one timer of the bench scripts: one
-executable of (256 MiB flush; op) dispatched ``--reps`` times minus the flush-only executable;
+executable of (512 MiB flush; op) dispatched ``--reps`` times minus the flush-only executable;
 the median of ``--trials`` samples).
 
 Numerics: at each shape both kernels are compared with ``sparse_decode_reference`` (relative
@@ -38,8 +38,8 @@ from _shapes_inputs import HEAD_DIM, Shape, all_shapes  # noqa: E402
 from pallas_kernels import PAGE_SIZE, TOPK  # noqa: E402
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference  # noqa: E402
 from pallas_kernels.sparse_decode_mgpu import (SPLITS, STAGES, default_splits,  # noqa: E402
-                                               default_stages, smem_bytes, SMEM_BYTES,
-                                               sparse_decode_mgpu)
+                                               default_stages, max_splits, smem_bytes,
+                                               SMEM_BYTES, sparse_decode_mgpu)
 
 SCALE = HEAD_DIM ** -0.5
 
@@ -113,10 +113,11 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool)
     jax.block_until_ready(args)
     ref = sparse_decode_reference(*args, scale=SCALE)
     rows = shape.batch * shape.hkv
+    splits = default_splits(rows, HEAD_DIM)
     row = dict(shape=shape_id(shape), hq=shape.hq, hkv=shape.hkv, batch=shape.batch,
                context=shape.context, bytes=shape.decode_bytes,
-               mgpu_config=dict(num_splits=default_splits(rows),
-                                num_stages=default_stages(HEAD_DIM, default_splits(rows), rows)))
+               mgpu_config=dict(num_splits=splits,
+                                num_stages=default_stages(HEAD_DIM, splits, rows)))
     for name, fn in VARIANTS.items():
         try:
             out = jax.jit(fn)(*args)
@@ -131,7 +132,8 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool)
         row["sweep"] = []
         for s in SPLITS:
             for st in STAGES:
-                if st > -(-TOPK // s) or smem_bytes(HEAD_DIM, st, s) > SMEM_BYTES:
+                if (s > max_splits(HEAD_DIM) or st > -(-TOPK // s)
+                        or smem_bytes(HEAD_DIM, st, s) > SMEM_BYTES):
                     continue
                 try:
                     t = time_op(mgpu_fn(num_splits=s, num_stages=st), args, reps=reps,
@@ -178,8 +180,8 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     result = dict(device=str(dev.device_kind), jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), reps=a.reps, trials=a.trials,
-                  method="_common.time_jax, cold L2: (256 MiB flush; op) executable dispatched "
-                         "reps x minus the flush-only executable reps x; median of trials",
+                  method=f"_common.time_jax, {_common.timer_description('cold', a.reps)}; "
+                         f"median of trials",
                   rows=[])
     print(f"{dev.device_kind}, jax {jax.__version__}", flush=True)
     for sh in shapes:

@@ -44,11 +44,12 @@ from pallas_kernels._shapes import NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK
 from pallas_kernels.sparse_decode import validate_inputs
 
 ROWS = 64  # wgmma M of one warpgroup: the GQA group is padded to this many dot rows
-SPLITS = (1, 2, 4, 8)  # cluster sizes (8 is the portable maximum)
+SPLITS = (1, 2, 4, 8, 16)  # cluster sizes (16: a non-portable size, which Hopper allows)
 STAGES = (1, 2, 3)
 HEAD_DIMS = (64, 128)  # multiples of the 64-element (128-byte) swizzle tile; register budget
 SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
-FILL_CTAS = 128  # default splits: smallest power of two with rows * splits >= this (max 8)
+FILL_CTAS = 128  # default splits: smallest power of two with rows * splits >= this (max 16)
+MIN_MERGE_COLS = 8  # a CTA merges D / S columns: a [64, W] f32 WGMMA-layout tile needs W >= 8
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASK = -1e30  # finite mask value for scores (base-2 units)
@@ -62,11 +63,17 @@ def padded_rows(num_q_heads: int, num_kv_heads: int) -> int:
     return -(-g // 8) * 8
 
 
-def default_splits(num_rows: int) -> int:
-    """Cluster size for ``num_rows = T * Hkv`` rows: the smallest power of two (<= 8) with
-    ``num_rows * splits >= 128`` CTAs, so small batches spread their pages over the SMs."""
+def max_splits(head_dim: int) -> int:
+    """Largest cluster for head dim D: each CTA merges ``D / S >= 8`` output columns."""
+    return min(SPLITS[-1], head_dim // MIN_MERGE_COLS)
+
+
+def default_splits(num_rows: int, head_dim: int = 128) -> int:
+    """Cluster size for ``num_rows = T * Hkv`` rows: the smallest power of two (<=
+    :func:`max_splits`) with ``num_rows * splits >= 128`` CTAs, so small batches spread their
+    pages over the SMs (at B = 1 and D = 128: one page per CTA)."""
     splits = 1
-    while splits < SPLITS[-1] and num_rows * splits < FILL_CTAS:
+    while splits < max_splits(head_dim) and num_rows * splits < FILL_CTAS:
         splits *= 2
     return splits
 
@@ -83,12 +90,13 @@ def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 
 def default_stages(head_dim: int, num_splits: int, num_rows: int = 1) -> int:
     """Deepest ring (<= 3) that fits; a split never holds more than ``ceil(16 / S)`` pages.
 
-    With clusters of 8 over more than half the SMs (``num_rows * 8 > 66`` CTAs) a CTA keeps to
-    half an SM's shared memory: two then fit per SM, so every cluster of 8 finds room in one
-    GPC and the grid runs as one wave (at one CTA per SM some clusters wait for a second)."""
+    With clusters of 8 or more over more than half the SMs (``num_rows * S > 66`` CTAs) a CTA
+    keeps to half an SM's shared memory: two then fit per SM, so every cluster finds room in
+    one GPC and the grid runs as one wave (at one CTA per SM some clusters wait for a
+    second)."""
     pages = -(-TOPK // num_splits)
     budget = SMEM_BYTES
-    if num_splits == SPLITS[-1] and num_rows * num_splits > NUM_SMS_H200 // 2:
+    if num_splits >= 8 and num_rows * num_splits > NUM_SMS_H200 // 2:
         budget = SMEM_BYTES // 2
     for stages in (3, 2, 1):
         if stages <= pages and smem_bytes(head_dim, stages, num_splits) <= budget:
@@ -295,8 +303,8 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
       scale: softmax scale (static).
       interpret: ``None`` interprets unless the trace targets a GPU; ``True``/``False``; or a
         ``plgpu.InterpretGPUParams``.
-      num_splits: CTAs per (token, KV head) in {1, 2, 4, 8} (a cluster; merged in the kernel);
-        ``None``: :func:`default_splits`. num_stages: TMA ring depth in {1, 2, 3}; ``None``:
+      num_splits: CTAs per (token, KV head) in {1, 2, 4, 8, 16} with ``D / S >= 8`` (a
+        cluster; merged in the kernel); ``None``: :func:`default_splits`. num_stages: TMA ring depth in {1, 2, 3}; ``None``:
         :func:`default_stages`.
       pdl: launch with programmatic dependent launch: the kernel may start while the previous
         kernel of the stream drains and waits (``griddepcontrol.wait``) before it reads any
@@ -315,9 +323,12 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     g = hq // hkv
     if g > ROWS:
         raise ValueError(f"{name}: GQA group Hq/Hkv = {g} exceeds {ROWS} rows per CTA")
-    splits = default_splits(t * hkv) if num_splits is None else num_splits
+    splits = default_splits(t * hkv, d) if num_splits is None else num_splits
     if splits not in SPLITS:
         raise ValueError(f"{name}: num_splits must be one of {SPLITS}, got {splits}")
+    if splits > max_splits(d):
+        raise ValueError(f"{name}: num_splits {splits} leaves D / S = {d // splits} merge "
+                         f"columns per CTA at D = {d}; needs >= {MIN_MERGE_COLS}")
     stages = default_stages(d, splits, t * hkv) if num_stages is None else num_stages
     if stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
@@ -366,5 +377,5 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     return o[:, :, :g].reshape(t, hq, d), lse[:, :, :g].reshape(t, hq)
 
 
-__all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "smem_bytes",
+__all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "max_splits", "smem_bytes",
            "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS", "ROWS"]

@@ -32,7 +32,7 @@ from pallas_kernels._lowering import lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode_reference
 from pallas_kernels._shapes import NUM_SMS_H200
 from pallas_kernels.sparse_decode_mgpu import (SMEM_BYTES, default_splits, default_stages,
-                                               smem_bytes, sparse_decode_mgpu)
+                                               max_splits, smem_bytes, sparse_decode_mgpu)
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -76,7 +76,7 @@ def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first
 # consumed pages; GQA groups of 4 and 6 (padded to 8 rows), two KV heads, D=64; every ring.
 IN_PROCESS = [(16, 1, 128, 1, 3, True), (16, 1, 128, 2, 2, False), (8, 2, 64, 1, 1, False),
               (12, 2, 64, 2, 1, False)]
-BIG_CLUSTERS = [(16, 1, 128, 8, 2, True), (8, 2, 64, 4, 2, False)]
+BIG_CLUSTERS = [(16, 1, 128, 8, 2, True), (8, 2, 64, 4, 2, False), (16, 1, 128, 16, 1, True)]
 
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", IN_PROCESS)
@@ -96,7 +96,7 @@ def test_matches_reference_big_clusters(hq, hkv, d, num_splits, num_stages, long
     code = ("import json, sys; sys.path[:0] = sys.argv[1:4]\n"
             "import test_sparse_decode_mgpu as m\n"
             "m.check_matches_reference(*json.loads(sys.argv[4]))\n")
-    env = dict(os.environ, PJRT_NPROC="16", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PJRT_NPROC="32", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", code, root, os.path.dirname(here), here, case],
                           env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -163,7 +163,8 @@ def _specs(t, hq, hkv, d=128, *, pages=4096, rows=128, cols=512, dtype=jnp.bfloa
 @pytest.mark.parametrize("kw,match,exc", [
     (dict(d=32), "head dim D", ValueError),
     (dict(dtype=jnp.float32), "bf16 or f16", TypeError),
-    (dict(num_splits=16), "num_splits", ValueError),
+    (dict(num_splits=32), "num_splits must be one of", ValueError),
+    (dict(d=64, num_splits=16), "needs >= 8", ValueError),
     (dict(num_stages=4), "num_stages", ValueError),
     (dict(hq=128), "GQA group Hq/Hkv = 128 exceeds 64", ValueError),
 ])
@@ -175,14 +176,19 @@ def test_rejects_unsupported_arguments(kw, match, exc):
 
 
 def test_default_config_fits_shared_memory():
-    assert [default_splits(r) for r in (1, 4, 16, 63, 64, 65, 128, 512)] == \
-        [8, 8, 8, 4, 2, 2, 1, 1]
-    for splits in (1, 2, 4, 8):
+    assert [default_splits(r) for r in (1, 4, 8, 9, 16, 63, 64, 65, 128, 512)] == \
+        [16, 16, 16, 16, 8, 4, 2, 2, 1, 1]
+    assert [default_splits(r, 64) for r in (1, 8, 9, 16)] == [8, 8, 8, 8]  # D / S >= 8
+    assert (max_splits(128), max_splits(64)) == (16, 8)
+    for splits in (1, 2, 4, 8, 16):
         for d in (64, 128):
+            if splits > max_splits(d):
+                continue
             assert smem_bytes(d, default_stages(d, splits), splits) <= SMEM_BYTES
             for stages in (1, 2, 3):  # every allowed ring fits
                 assert smem_bytes(d, stages, splits) <= SMEM_BYTES
     assert default_stages(128, 1) == 3 and default_stages(128, 8) == 2
+    assert default_stages(128, 16) == 1  # one page per CTA
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 9, 16, 64])
@@ -219,7 +225,8 @@ def test_lowers_for_h200_as_one_kernel(hq, hkv, batch):
         assert op not in text, op
 
 
-@pytest.mark.parametrize("num_splits,num_stages", [(1, 1), (1, 2), (2, 3), (4, 1), (8, 2)])
+@pytest.mark.parametrize("num_splits,num_stages", [(1, 1), (1, 2), (2, 3), (4, 1), (8, 2),
+                                                   (16, 1)])
 def test_tunables_lower_for_h200(num_splits, num_stages):
     text = lower_for_cuda(sparse_decode_mgpu, *_specs(16, 64, 4), scale=1.0, interpret=False,
                           num_splits=num_splits, num_stages=num_stages)
