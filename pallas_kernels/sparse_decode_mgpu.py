@@ -2,7 +2,7 @@
 :func:`pallas_kernels.sparse_decode.sparse_decode`, in one kernel launch.
 
 Kernel: grid ``(T, Hkv)``; each (token, KV head) row runs on a cluster of ``S = num_splits``
-CTAs of one warpgroup each. Every CTA reads the token's 16 block ids and metadata as scalars,
+CTAs of one warpgroup each (``S`` up to 16, a non-portable cluster size that Hopper allows). Every CTA reads the token's 16 block ids and metadata as scalars,
 applies the safety boundary, gathers the 16 page ids from the block table and ranks the
 consumed slots (stable order), so no later step has a dependent global load. CTA ``c`` of the
 cluster owns the consumed slots ``c, c + S, c + 2S, ...``: it streams their pages through a
@@ -71,9 +71,12 @@ def max_splits(head_dim: int) -> int:
 def default_splits(num_rows: int, head_dim: int = 128) -> int:
     """Cluster size for ``num_rows = T * Hkv`` rows: the smallest power of two (<=
     :func:`max_splits`) with ``num_rows * splits >= 128`` CTAs, so small batches spread their
-    pages over the SMs (at B = 1 and D = 128: one page per CTA)."""
+    pages over the SMs; clusters of 16 (one page per CTA) only while ``num_rows * 16`` CTAs fit
+    one per SM."""
     splits = 1
     while splits < max_splits(head_dim) and num_rows * splits < FILL_CTAS:
+        if splits * 2 == 16 and num_rows * 16 > NUM_SMS_H200:
+            break
         splits *= 2
     return splits
 

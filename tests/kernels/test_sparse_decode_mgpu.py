@@ -177,7 +177,7 @@ def test_rejects_unsupported_arguments(kw, match, exc):
 
 def test_default_config_fits_shared_memory():
     assert [default_splits(r) for r in (1, 4, 8, 9, 16, 63, 64, 65, 128, 512)] == \
-        [16, 16, 16, 16, 8, 4, 2, 2, 1, 1]
+        [16, 16, 16, 8, 8, 4, 2, 2, 1, 1]
     assert [default_splits(r, 64) for r in (1, 8, 9, 16)] == [8, 8, 8, 8]  # D / S >= 8
     assert (max_splits(128), max_splits(64)) == (16, 8)
     for splits in (1, 2, 4, 8, 16):
