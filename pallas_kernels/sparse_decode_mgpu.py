@@ -2,13 +2,14 @@
 :func:`pallas_kernels.sparse_decode.sparse_decode`, in one kernel launch.
 
 Kernel: grid ``(T, Hkv)``; each (token, KV head) row runs on a cluster of ``S = num_splits``
-CTAs of one warpgroup each (``S`` up to 16, a non-portable cluster size that Hopper allows). Every CTA reads the token's 16 block ids and metadata as scalars,
-applies the safety boundary, gathers the 16 page ids from the block table and ranks the
-consumed slots (stable order), so no later step has a dependent global load. CTA ``c`` of the
-cluster owns the consumed slots ``c, c + S, c + 2S, ...``: it streams their pages through a
-``num_stages``-deep ring of shared-memory buffers with TMA copies (K and V of a page, ``[128, D]``
-each, separate barriers; the page id is a dynamic TMA coordinate) and runs the online softmax
-(base 2, finite mask value) with wgmma: ``S = Q K^T`` with Q's GQA group padded to 64 rows,
+CTAs of one warpgroup each (``S`` up to 16, a non-portable cluster size that Hopper allows).
+Every CTA reads the token's 16 block ids and metadata as scalars, applies the safety boundary,
+gathers the 16 page ids from the block table and ranks the consumed slots (stable order), so no
+later step has a dependent global load. CTA ``c`` of the cluster owns the consumed slots
+``c, c + S, c + 2S, ...``: it streams their pages through a ``num_stages``-deep ring of
+shared-memory buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate
+barriers; the page id is a dynamic TMA coordinate) and runs the online softmax (base 2, finite
+mask value) with wgmma: ``S = Q K^T`` with Q's GQA group padded to 64 rows,
 ``P`` written over the consumed K buffer, ``acc += P V``. With ``S > 1`` each CTA stores its
 unnormalised state ``(acc [64, D], m [64], l [64])`` in f32 output buffers, the cluster meets at
 a cluster barrier (with acquire/release fences), and CTA ``c`` merges the ``S`` states for the
@@ -73,10 +74,11 @@ def default_splits(num_rows: int, head_dim: int = 128) -> int:
     :func:`max_splits`) with ``num_rows * splits >= 128`` CTAs, so small batches spread their
     pages over the SMs; clusters of 16 (one page per CTA) only while ``num_rows * 16`` CTAs fit
     one per SM."""
+    cap = max_splits(head_dim)
+    if num_rows * 16 > NUM_SMS_H200:
+        cap = min(cap, 8)
     splits = 1
-    while splits < max_splits(head_dim) and num_rows * splits < FILL_CTAS:
-        if splits * 2 == 16 and num_rows * 16 > NUM_SMS_H200:
-            break
+    while splits < cap and num_rows * splits < FILL_CTAS:
         splits *= 2
     return splits
 
@@ -307,8 +309,8 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
       interpret: ``None`` interprets unless the trace targets a GPU; ``True``/``False``; or a
         ``plgpu.InterpretGPUParams``.
       num_splits: CTAs per (token, KV head) in {1, 2, 4, 8, 16} with ``D / S >= 8`` (a
-        cluster; merged in the kernel); ``None``: :func:`default_splits`. num_stages: TMA ring depth in {1, 2, 3}; ``None``:
-        :func:`default_stages`.
+        cluster; merged in the kernel); ``None``: :func:`default_splits`.
+      num_stages: TMA ring depth in {1, 2, 3}; ``None``: :func:`default_stages`.
       pdl: launch with programmatic dependent launch: the kernel may start while the previous
         kernel of the stream drains and waits (``griddepcontrol.wait``) before it reads any
         input; it lets the next kernel launch once its page loop is done.
