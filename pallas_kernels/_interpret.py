@@ -1,6 +1,8 @@
 """Pallas interpret mode of the kernels' ``interpret`` argument: ``None`` means automatic."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -16,3 +18,17 @@ def resolve_interpret(interpret: bool | None) -> bool:
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     platform = jax.default_backend() if device is None else device.platform
     return platform not in GPU_PLATFORMS
+
+
+def mosaic_interpret_params(interpret, **fields):
+    """A Mosaic GPU kernel's ``interpret`` as ``plgpu.kernel`` takes it: ``None`` (compiled) or
+    a ``plgpu.InterpretGPUParams``. ``interpret``: ``None`` (:func:`resolve_interpret`),
+    ``True``/``False``, or an ``InterpretGPUParams``; ``fields`` override the params' fields."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    if interpret is None:
+        interpret = resolve_interpret(None)
+    if interpret is False:
+        return None
+    if interpret is True:
+        return plgpu.InterpretGPUParams(**fields)
+    return dataclasses.replace(interpret, **fields)

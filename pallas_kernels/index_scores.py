@@ -67,7 +67,7 @@ def cast_query(q, dtype):
     return q.astype(dtype)
 
 
-def _validate(index_q, index_k_cache, block_table, req_indices, positions) -> None:
+def validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions) -> None:
     """Raises ValueError / TypeError naming the offending argument and the bound."""
     if index_q.ndim != 3:
         raise ValueError(f"index_q: expected rank 3 [T, H, Di], got shape {index_q.shape}")
@@ -188,7 +188,7 @@ def scores_launch(index_q, index_k_cache, block_table, req_indices, positions, *
                   preload_block_table: bool):
     """Checks the inputs and tunables (ValueError / TypeError naming them) and returns
     ``(index_q padded to Hs = next_pow2(H) heads, the static keywords of chunk_scores)``."""
-    _validate(index_q, index_k_cache, block_table, req_indices, positions)
+    validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
     t, h, _ = index_q.shape
     r, p = block_table.shape
     fp8 = jnp.dtype(index_k_cache.dtype) == FP8_INDEX_K_DTYPE
@@ -258,7 +258,7 @@ def msa_index_scores_reference(index_q: jax.Array, index_k_cache: jax.Array,
                                positions: jax.Array) -> jax.Array:
     """Pure jnp reference of `msa_index_scores` (same clamping of page and request ids; the
     operands are cast to `dot_dtype` like the kernel's, then to f32)."""
-    _validate(index_q, index_k_cache, block_table, req_indices, positions)
+    validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
     n = index_k_cache.shape[0]
     r, p = block_table.shape
     req = jnp.clip(req_indices, 0, r - 1)

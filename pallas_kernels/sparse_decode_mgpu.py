@@ -29,7 +29,6 @@ no visible key gives zeros and ``lse = -inf``.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -40,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._interpret import resolve_interpret
+from pallas_kernels._interpret import mosaic_interpret_params
 from pallas_kernels._shapes import NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK
 from pallas_kernels.sparse_decode import validate_inputs
 
@@ -107,19 +106,6 @@ def default_stages(head_dim: int, num_splits: int, num_rows: int = 1) -> int:
         if stages <= pages and smem_bytes(head_dim, stages, num_splits) <= budget:
             return stages
     return 1
-
-
-def _interpret_params(interpret):
-    """``None``: interpret iff the trace does not target a GPU
-    (:func:`pallas_kernels._interpret.resolve_interpret`); ``True``/``False``; or an
-    ``InterpretGPUParams``. Interpreting skips the kernel's inline fences (``inline_mgpu``)."""
-    if interpret is None:
-        interpret = resolve_interpret(None)
-    if interpret is False:
-        return None
-    if interpret is True:
-        return plgpu.InterpretGPUParams(inline_mgpu="ignore")
-    return dataclasses.replace(interpret, inline_mgpu="ignore")
 
 
 @plgpu.inline_mgpu()
@@ -368,7 +354,8 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     if splits > 1:
         scratch += [plgpu.SMEM((ROWS, d // splits), q.dtype),               # out staging
                     plgpu.ClusterBarrier(collective_axes=("c",))]
-    interpret = _interpret_params(interpret)
+    # Interpreting skips the kernel's inline fences (inline_mgpu).
+    interpret = mosaic_interpret_params(interpret, inline_mgpu="ignore")
     body = functools.partial(
         _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
         num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
