@@ -1,0 +1,85 @@
+"""H200 benchmark: the Mosaic GPU indexer + select (two launches with PDL) against the Triton
+fused one (``msa_index_select``), bf16, at the 16 shapes of ``bench/kernels.py``.
+
+For each shape: whether the two selections agree (as sets per row; they are computed from the
+same f32 scores, so they should be identical), the XLA kernel count of each op, and the
+cold-L2 time of each (``_common.time_jax``: one executable of (512 MiB flush; op) dispatched
+``--reps`` times minus the flush-only executable, median of ``--trials``), plus a sweep of the
+Mosaic kernel's pages per CTA with ``--sweep``.
+
+Usage (GPU machine): python3 bench/index_select_mgpu.py --out FILE.json [--shapes 0,1,8]
+  [--sweep] [--reps 100] [--trials 3]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import numpy as np
+
+import _common  # noqa: F401  (preamble: repository on sys.path, one warning filter)
+import jax  # noqa: E402
+from _common import hlo_kernel_count, positive_int, time_jax  # noqa: E402
+from _shapes_inputs import all_shapes, make_inputs  # noqa: E402
+from pallas_kernels.index_select import msa_index_select  # noqa: E402
+from pallas_kernels.index_select_mgpu import msa_index_select_mgpu  # noqa: E402
+
+ARGS = ("index_q", "index_k", "block_table", "req_indices", "positions")
+
+
+def timed(fn, args, reps, trials) -> dict:
+    t = time_jax(fn, args, n=reps, trials=trials, l2="cold")
+    return dict(us=t.us, samples=[round(s * 1e6, 2) for s in t.samples_s],
+                host_us_per_call=t.host_us_per_call, gpu_bound=t.gpu_bound)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="", help="indices into bench/kernels.py's 16 shapes")
+    ap.add_argument("--reps", type=positive_int, default=100)
+    ap.add_argument("--trials", type=positive_int, default=3)
+    ap.add_argument("--sweep", action="store_true")
+    a = ap.parse_args(argv)
+    shapes = all_shapes()
+    if a.shapes:
+        shapes = [shapes[int(i)] for i in a.shapes.split(",")]
+    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  method=_common.timer_description("cold", a.reps), rows=[])
+    variants = {"triton": lambda *x: msa_index_select(*x),
+                "mgpu": lambda *x: msa_index_select_mgpu(*x)}
+    for shape in shapes:
+        x = make_inputs(shape, 0)
+        args = tuple(x[k] for k in ARGS)
+        row = dict(shape=shape.name)
+        outs = {}
+        for name, fn in variants.items():
+            try:
+                outs[name] = np.sort(np.asarray(jax.jit(fn)(*args)), axis=-1)
+                row[f"{name}_kernels"] = hlo_kernel_count(
+                    jax.jit(fn).lower(*args).compile().as_text())["total"]
+                row[name] = timed(fn, args, a.reps, a.trials)
+            except Exception as e:  # one failing variant must not hide the others
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+        if len(outs) == 2:
+            row["agree"] = float(np.mean(np.all(outs["triton"] == outs["mgpu"], axis=-1)))
+        if a.sweep:
+            row["sweep"] = []
+            for ppp in (1, 2, 4, 8, 16):
+                fn = functools.partial(msa_index_select_mgpu, pages_per_program=ppp)
+                try:
+                    row["sweep"].append(dict(ppp=ppp, us=timed(fn, args, a.reps, 1)["us"]))
+                except Exception as e:
+                    row["sweep"].append(dict(ppp=ppp, error=f"{type(e).__name__}: {str(e)[:300]}"))
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""MSA indexer and top-16 page select on the Pallas Mosaic GPU backend (Hopper): the result of
+:func:`pallas_kernels.index_select.msa_index_select` in two launches, both with programmatic
+dependent launch (PDL), so the select's launch overlaps the scores kernel.
+
+Scores kernel: grid ``(T, C)``, one warpgroup per CTA; CTA ``(t, c)`` owns the pages
+``[c * ppp, (c + 1) * ppp)`` of token t below its ``nvp = positions // 128 + 1``. It builds the
+dot's 64 rows from the token's H query rows (row r holds head ``r % H``), streams its index-K
+pages through a TMA ring (the page id a dynamic coordinate, read from the block table when the
+copy is issued) and takes ``S = Q K^T`` with wgmma. The causal mask keeps keys
+``b * 128 + i <= position``; the block score of head h is row h's max. The chunk's scores leave
+by TMA into an f32 scratch ``[T, Pp, 64]`` (row = page, column = dot row); rows of pages at or
+past ``nvp`` hold whatever the CTA's shared memory held, and the select never uses them.
+
+Select kernel: grid ``(T,)``, one warpgroup; it loads the token's ``[Pp, 8]`` scores, applies the
+selector's rules (:mod:`pallas_kernels.topk_select`: forced local/init blocks, NaN as -inf,
+ties to the smaller id, -1 for fewer than 16 picks) with 16 rounds of column max and column
+min-of-ties, ranks the winners in ascending order and stores them.
+
+Safety boundary: as :func:`pallas_kernels.index_scores.msa_index_scores` (request rows clamped
+to ``[0, R)``, page ids to ``[0, N)``, block-table columns below ``min(nvp, P)`` only) and the
+selector (counts clamped to ``[0, P]``).
+
+Shapes / dtypes:
+  index_q          [T, H, Di]   bf16 | f16, H <= 8, Di in {64, 128}
+  index_k_cache    [N, 128, Di] index_q's dtype
+  block_table      [R, P]       int32, P <= 1024 (the select holds a token's scores in registers)
+  req_indices      [T]          int32
+  positions        [T]          int32
+  num_valid_pages  [T]          int32 (optional; default positions // 128 + 1)
+  result           [T, H, 16]   int32
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._interpret import mosaic_interpret_params
+from pallas_kernels._shapes import PAGE_SIZE, SMEM_BYTES, TOPK
+from pallas_kernels.index_scores import default_pages_per_program, validate_index_inputs
+from pallas_kernels.topk_select import validate_selection
+
+ROWS = 64  # wgmma M: the dot's rows (row r holds query head r % H)
+MAX_HEADS = 8  # the select reads 8 score columns per page
+MAX_PAGES = 1024  # block-table columns the select holds in registers ([Pp, 8] f32 per token)
+HEAD_DIMS = (64, 128)
+STAGES = (1, 2, 3)
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+_NO_ID = 2 ** 30  # larger than any block id
+
+
+def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring, sc_smem, kbar,
+                 *, num_heads, ppp, num_stages, num_pages, num_rows, max_pages, dtype, pdl):
+    t = lax.axis_index("t")
+    c = lax.axis_index("c")
+    ns = num_stages
+    if pdl:  # launched early: wait for the previous kernel's writes
+        plgpu.griddepcontrol_wait()
+    req = jnp.clip(req_ref[t], 0, num_rows - 1)
+    pos = pos_ref[t]
+    nvp = jnp.clip(pos // PAGE_SIZE + 1, 0, max_pages)
+    start = c * ppp
+    n_mine = jnp.clip(nvp - start, 0, ppp)
+
+    def issue(j, slot):
+        page = jnp.clip(bt_ref[req, start + j], 0, num_pages - 1)
+        plgpu.copy_gmem_to_smem(k_ref.at[page], k_ring.at[slot], kbar.at[slot])
+
+    for i in range(ns):
+        pl.when(i < n_mine)(functools.partial(issue, i, i))
+
+    # The dot's A: row r = query head r % H (each head read once, broadcast over its rows).
+    rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, q_ref.shape[-1]), 0,
+                                  layout=plgpu.Layout.WGMMA)
+    a = None
+    for h in range(num_heads):
+        qh = plgpu.load(q_ref.at[t, h], layout=plgpu.Layout.WGMMA.reduce(0),
+                        optimized=False).astype(jnp.float32)
+        qh = lax.broadcast_in_dim(qh, rows.shape, [1])
+        a = qh if a is None else jnp.where(rows % num_heads == h, qh, a)
+    a_smem[...] = a.astype(dtype)
+    plgpu.commit_smem()
+
+    def step(j, _):
+        slot = lax.rem(j, ns)
+        plgpu.barrier_wait(kbar.at[slot])
+
+        def dot(acc_ref):
+            plgpu.wgmma(acc_ref, a_smem, k_ring.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+
+        s = pl.run_scoped(dot, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
+        key = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
+        s = jnp.where((start + j) * PAGE_SIZE + key <= pos, s, -jnp.inf)
+        sc_smem.at[j][...] = s.max(axis=1)
+        pl.when(j + ns < n_mine)(lambda: issue(j + ns, slot))  # the slot is free again
+        return 0
+
+    lax.fori_loop(0, n_mine, step, 0)
+    if pdl:  # the select may launch (it waits for this grid's writes)
+        plgpu.griddepcontrol_launch_dependents()
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sc_smem, sc_ref.at[t, pl.ds(start, ppp)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _select_body(sc_ref, pos_ref, *refs, num_heads, max_pages, padded_pages, local_blocks,
+                 init_blocks, nvp_given, pdl):
+    if nvp_given:
+        nvp_ref, o_ref, o_smem = refs
+    else:
+        o_ref, o_smem = refs
+    t = lax.axis_index("t")
+    layout = plgpu.Layout.WGMMA
+    shape = (padded_pages, MAX_HEADS)
+    if pdl:  # launched early: wait for the scores kernel's writes
+        plgpu.griddepcontrol_wait()
+    nvp = nvp_ref[t] if nvp_given else jnp.maximum(pos_ref[t] // PAGE_SIZE + 1, 0)
+    n = jnp.clip(nvp, 0, max_pages)
+    x = plgpu.load(sc_ref.at[t, :, pl.ds(0, MAX_HEADS)], layout=layout, optimized=False)
+    ids = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+    valid = ids < n
+    forced = valid & ((n <= TOPK) | (ids >= n - local_blocks) | (ids < init_blocks))
+    x = jnp.where(jnp.isnan(x), -jnp.inf, jnp.where(x == 0, 0.0, x))  # NaN -> -inf, -0 -> +0
+    x = jnp.where(forced, jnp.inf, jnp.where(valid, x, -jnp.inf))
+
+    wins = []  # round r's pick per head ([8] int32), -1 once only -inf is left
+    for _ in range(TOPK):
+        m = x.max(axis=0)
+        pick = jnp.where(x == lax.broadcast_in_dim(m, shape, [1]), ids, _NO_ID).min(axis=0)
+        wins.append(jnp.where(m > -jnp.inf, pick, -1))
+        x = jnp.where(ids == lax.broadcast_in_dim(pick, shape, [1]), -jnp.inf, x)
+    if pdl:
+        plgpu.griddepcontrol_launch_dependents()
+
+    # Ascending order, -1 last: rank[a] = #{b : key[b] < key[a] or (== and b < a)}.
+    keys = [jnp.where(w < 0, _NO_ID, w) for w in wins]
+    ranks = []
+    for a in range(TOPK):
+        before = [(keys[b] <= keys[a]) if b < a else (keys[b] < keys[a])
+                  for b in range(TOPK) if b != a]
+        ranks.append(functools.reduce(jnp.add, [b.astype(jnp.int32) for b in before]))
+    for r in range(TOPK):
+        o_smem.at[r][...] = functools.reduce(
+            jnp.add, [jnp.where(ranks[a] == r, wins[a], 0) for a in range(TOPK)])
+    plgpu.commit_smem()
+    for h in range(num_heads):
+        for r in range(TOPK):
+            o_ref[t, h, r] = o_smem[r, h]
+
+
+def _check(index_q, index_k_cache, block_table, num_stages, ppp):
+    """The Mosaic GPU kernels' own bounds (ValueError / TypeError naming the argument)."""
+    name = "msa_index_select_mgpu"
+    t, h, di = index_q.shape
+    if jnp.dtype(index_q.dtype) not in _DTYPES or index_k_cache.dtype != index_q.dtype:
+        raise TypeError(f"{name}: index_q and index_k_cache must both be bf16 or both f16, got "
+                        f"{index_q.dtype} and {index_k_cache.dtype}")
+    if h > MAX_HEADS:
+        raise ValueError(f"{name}: index heads H = {h} exceeds {MAX_HEADS}")
+    if di not in HEAD_DIMS:
+        raise ValueError(f"{name}: Di must be one of {HEAD_DIMS}, got {di}")
+    if block_table.shape[1] > MAX_PAGES:
+        raise ValueError(f"{name}: block_table has {block_table.shape[1]} columns; the select "
+                         f"holds at most {MAX_PAGES}")
+    if num_stages not in STAGES:
+        raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {num_stages}")
+    if not 1 <= ppp <= 64:
+        raise ValueError(f"{name}: pages_per_program must be in [1, 64], got {ppp}")
+
+
+@functools.partial(jax.jit, static_argnames=("local_blocks", "init_blocks", "interpret",
+                                             "pages_per_program", "num_stages", "pdl"))
+def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, positions,
+                          num_valid_pages=None, *, local_blocks=1, init_blocks=0,
+                          interpret=None, pages_per_program=None, num_stages=None, pdl=True):
+    """Selected block ids ``[T, H, 16]`` int32, as
+    :func:`pallas_kernels.index_select.msa_index_select` (same arguments, results and safety
+    boundary), with two Mosaic GPU kernels.
+
+    ``pages_per_program``: pages per scores CTA in [1, 64] (None: the Triton indexer's default).
+    ``num_stages``: TMA ring depth in {1, 2, 3} (None: min(3, pages)). ``pdl``: programmatic
+    dependent launch for both kernels (ignored when interpreting). ``interpret``: None
+    interprets unless the trace targets a GPU.
+    """
+    validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
+    t, h, di = index_q.shape
+    validate_selection(t, num_valid_pages, TOPK, local_blocks, init_blocks)
+    n = index_k_cache.shape[0]
+    r, p = block_table.shape
+    ppp = default_pages_per_program(t, p) if pages_per_program is None else pages_per_program
+    ns = min(3, ppp) if num_stages is None else num_stages
+    _check(index_q, index_k_cache, block_table, ns, ppp)
+    chunks = pl.cdiv(p, ppp)
+    padded = pl.cdiv(chunks * ppp, ROWS) * ROWS  # the select's rows: a multiple of 64
+    ring_bytes = ns * PAGE_SIZE * di * index_q.dtype.itemsize
+    if ring_bytes + ROWS * di * 2 + ppp * ROWS * 4 > SMEM_BYTES:
+        raise ValueError(f"msa_index_select_mgpu: num_stages {ns} needs more than "
+                         f"{SMEM_BYTES} bytes of shared memory")
+    params = mosaic_interpret_params(interpret)
+    pdl = bool(pdl) and params is None
+    scores = plgpu.kernel(
+        functools.partial(_scores_body, num_heads=h, ppp=ppp, num_stages=ns, num_pages=n,
+                          num_rows=r, max_pages=p, dtype=index_q.dtype, pdl=pdl),
+        out_type=jax.ShapeDtypeStruct((t, padded, ROWS), jnp.float32),
+        scratch_types=[plgpu.SMEM((ROWS, di), index_q.dtype, transforms=_TILE),
+                       plgpu.SMEM((ns, PAGE_SIZE, di), index_q.dtype, transforms=_TILE),
+                       plgpu.SMEM((ppp, ROWS), jnp.float32),
+                       plgpu.Barrier(num_barriers=ns)],
+        grid=(t, chunks), grid_names=("t", "c"), interpret=params,
+        kernel_name="msa_index_scores_mgpu",
+    )(index_q, index_k_cache, block_table, req_indices, positions)
+    args = [scores, positions] + ([] if num_valid_pages is None else [num_valid_pages])
+    return plgpu.kernel(
+        functools.partial(_select_body, num_heads=h, max_pages=p, padded_pages=padded,
+                          local_blocks=local_blocks, init_blocks=init_blocks,
+                          nvp_given=num_valid_pages is not None, pdl=pdl),
+        out_type=jax.ShapeDtypeStruct((t, h, TOPK), jnp.int32),
+        scratch_types=[plgpu.SMEM((TOPK, MAX_HEADS), jnp.int32)],
+        grid=(t,), grid_names=("t",), interpret=params, kernel_name="msa_topk_select_mgpu",
+    )(*args)
+
+
+__all__ = ["msa_index_select_mgpu", "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES"]

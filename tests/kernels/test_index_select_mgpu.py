@@ -1,0 +1,118 @@
+"""msa_index_select_mgpu (Mosaic GPU scores + select, two launches with PDL) against the jnp
+references, on random data with a fresh seed; and its CUDA lowering for an abstract H200.
+
+On a CPU backend both kernels run in Mosaic GPU interpret mode without being asked
+(``interpret=None``); on the H200 the same tests run them compiled. The batches are
+``test_index_scores.make_batch``'s: requests of lengths that are not multiples of 128, padded
+tokens, block-table entries past each request set to -1 or N + 7, and a poison page where a
+wrapped or clamped id would land (a read of it would win every selection it entered).
+"""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _helpers import fresh_seed
+from pallas_kernels import PAGE_SIZE, TOPK
+from pallas_kernels._lowering import lower_for_cuda
+from pallas_kernels.index_select import msa_index_select_reference, num_valid_pages_of
+from pallas_kernels.index_select_mgpu import msa_index_select_mgpu
+from test_index_scores import MAX_PAGES, make_batch
+from test_topk_select import check_structure
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    """A kernel that raised inside the Mosaic GPU interpreter leaves its state behind."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+    yield
+
+
+@pytest.mark.parametrize("dtype,num_heads,index_dim,pages_per_program,num_stages", [
+    (jnp.bfloat16, 4, 128, 3, 2),   # chunks not a divisor of P, a ring shorter than a chunk
+    (jnp.bfloat16, 1, 64, 8, None),
+    (jnp.float16, 3, 128, 32, 3),   # H not a power of two, one chunk per token
+])
+def test_matches_reference(dtype, num_heads, index_dim, pages_per_program, num_stages):
+    q, k, bt, req, pos = make_batch(fresh_seed(), dtype, num_heads, index_dim)
+    got = msa_index_select_mgpu(q, k, bt, req, pos, pages_per_program=pages_per_program,
+                                num_stages=num_stages)
+    chex.assert_shape(got, (pos.shape[0], num_heads, TOPK))
+    chex.assert_trees_all_equal(got, msa_index_select_reference(q, k, bt, req, pos))
+    check_structure(np.asarray(got), np.asarray(num_valid_pages_of(pos)), MAX_PAGES)
+
+
+@pytest.mark.parametrize("local_blocks,init_blocks", [(1, 0), (2, 1), (0, 0)])
+def test_given_page_counts_and_forced_blocks(local_blocks, init_blocks):
+    """num_valid_pages given (below and above positions // 128 + 1, negative, past P)."""
+    q, k, bt, req, pos = make_batch(fresh_seed(), jnp.bfloat16, 2, 64)
+    rng = np.random.default_rng(fresh_seed())
+    nvp = np.asarray(num_valid_pages_of(pos)) + rng.integers(-3, 4, pos.shape[0])
+    nvp[0], nvp[-1] = -2, MAX_PAGES + 5
+    nvp = jnp.asarray(nvp, jnp.int32)
+    got = msa_index_select_mgpu(q, k, bt, req, pos, nvp, local_blocks=local_blocks,
+                                init_blocks=init_blocks, pages_per_program=4)
+    want = msa_index_select_reference(q, k, bt, req, pos, nvp, local_blocks=local_blocks,
+                                      init_blocks=init_blocks)
+    chex.assert_trees_all_equal(got, want)
+
+
+def test_pages_past_the_position_are_never_read():
+    """Every block-table entry past the last block any token of its request may read points
+    at the poison page: the selection is the same as with those entries at the null page,
+    since no such page is read (the poison page would outscore any real page)."""
+    q, k, bt, req, pos = make_batch(fresh_seed(), jnp.bfloat16, 4, 128)
+    poison = k.shape[0] - 1
+    nvp = np.asarray(num_valid_pages_of(pos))
+    tables = {}
+    for fill in (poison, 0):
+        table = np.asarray(bt).copy()
+        for r in set(np.asarray(req).tolist()):
+            table[r, nvp[np.asarray(req) == r].max():] = fill
+        tables[fill] = jnp.asarray(table)
+    got = msa_index_select_mgpu(q, k, tables[poison], req, pos, pages_per_program=4)
+    chex.assert_trees_all_equal(
+        got, msa_index_select_mgpu(q, k, tables[0], req, pos, pages_per_program=4))
+    chex.assert_trees_all_equal(got, msa_index_select_reference(q, k, tables[0], req, pos))
+
+
+def _specs(t, h, context, dtype=jnp.bfloat16, di=128):
+    s = jax.ShapeDtypeStruct
+    p = context // PAGE_SIZE
+    return (s((t, h, di), dtype), s((t * p + 1, PAGE_SIZE, di), dtype), s((t, p), jnp.int32),
+            s((t,), jnp.int32), s((t,), jnp.int32))
+
+
+@pytest.mark.parametrize("t,h,context", [(1, 1, 8192), (1, 4, 65536), (16, 1, 8192),
+                                         (128, 4, 65536)])
+def test_lowers_for_h200_as_two_kernels_with_pdl(t, h, context):
+    """The benchmark shapes lower to exactly two Mosaic GPU custom calls (scores, select),
+    both launched with programmatic dependent launch, and no other op that would be a kernel."""
+    text = lower_for_cuda(msa_index_select_mgpu, *_specs(t, h, context))
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 2 and all("@mosaic_gpu" in c for c in calls), calls
+    for op in ("stablehlo.pad", "stablehlo.concatenate", "stablehlo.gather",
+               "stablehlo.transpose", "stablehlo.slice", "stablehlo.broadcast"):
+        assert op not in text, op
+    for marker in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+        assert text.count(marker) >= 2, marker
+
+
+@pytest.mark.parametrize("kw,match,exc", [
+    (dict(dtype=jnp.float32), "both be bf16 or both f16", TypeError),
+    (dict(h=16), "H = 16 exceeds 8", ValueError),
+    (dict(di=256), "Di must be one of", ValueError),
+    (dict(context=2048 * PAGE_SIZE), "at most 1024", ValueError),
+    (dict(num_stages=4), "num_stages", ValueError),
+    (dict(pages_per_program=65), r"pages_per_program must be in \[1, 64\]", ValueError),
+])
+def test_rejects_unsupported_arguments(kw, match, exc):
+    shape_kw = {k: kw.pop(k) for k in ("dtype", "h", "di", "context") if k in kw}
+    args = dict(t=2, h=4, context=8192)
+    args.update(shape_kw)
+    with pytest.raises(exc, match=match):
+        lower_for_cuda(msa_index_select_mgpu, *_specs(**args), **kw)
