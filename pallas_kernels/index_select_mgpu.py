@@ -42,7 +42,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._interpret import mosaic_interpret_params
 from pallas_kernels._shapes import PAGE_SIZE, SMEM_BYTES, TOPK
 from pallas_kernels.index_scores import default_pages_per_program, validate_index_inputs
-from pallas_kernels.topk_select import validate_selection
+from pallas_kernels.index_select import num_valid_pages_of
+from pallas_kernels.topk_select import prepare_scores, validate_selection
 
 ROWS = 64  # wgmma M: the dot's rows (row r holds query head r % H)
 MAX_HEADS = 8  # the select reads 8 score columns per page
@@ -120,14 +121,11 @@ def _select_body(sc_ref, pos_ref, *refs, num_heads, max_pages, padded_pages, loc
     shape = (padded_pages, MAX_HEADS)
     if pdl:  # launched early: wait for the scores kernel's writes
         plgpu.griddepcontrol_wait()
-    nvp = nvp_ref[t] if nvp_given else jnp.maximum(pos_ref[t] // PAGE_SIZE + 1, 0)
-    n = jnp.clip(nvp, 0, max_pages)
+    nvp = nvp_ref[t] if nvp_given else num_valid_pages_of(pos_ref[t])
     x = plgpu.load(sc_ref.at[t, :, pl.ds(0, MAX_HEADS)], layout=layout, optimized=False)
     ids = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
-    valid = ids < n
-    forced = valid & ((n <= TOPK) | (ids >= n - local_blocks) | (ids < init_blocks))
-    x = jnp.where(jnp.isnan(x), -jnp.inf, jnp.where(x == 0, 0.0, x))  # NaN -> -inf, -0 -> +0
-    x = jnp.where(forced, jnp.inf, jnp.where(valid, x, -jnp.inf))
+    x = prepare_scores(x, ids, nvp, max_pages=max_pages, topk=TOPK, local_blocks=local_blocks,
+                       init_blocks=init_blocks)
 
     wins = []  # round r's pick per head ([8] int32), -1 once only -inf is left
     for _ in range(TOPK):

@@ -63,8 +63,9 @@ def validate_selection(num_tokens: int, num_valid_pages, topk, local_blocks,
                          f"{topk - local_blocks}], got {init_blocks}")
 
 
-def _prepare(x, ids, nvp, *, max_pages: int, topk: int, local_blocks: int, init_blocks: int):
-    """Masked/forced scores: -inf outside [0, n), +inf on forced blocks (every valid block
+def prepare_scores(x, ids, nvp, *, max_pages: int, topk: int, local_blocks: int,
+                   init_blocks: int):
+    """The selector's input in a kernel or a reference (jnp ops only): masked/forced scores: -inf outside [0, n), +inf on forced blocks (every valid block
     when n <= topk: the +inf ties then resolve to ids 0..n-1 by the id tie-break)."""
     n = jnp.clip(nvp, 0, max_pages)
     valid = ids < n
@@ -79,7 +80,7 @@ def select_rows(x, nvp, *, max_pages: int, topk: int, local_blocks: int, init_bl
     int32 block ids, ascending, -1 last (see the module docstring)."""
     hs, pp = x.shape
     ids = lax.broadcasted_iota(jnp.int32, (hs, pp), 1)
-    x = _prepare(x, ids, nvp, max_pages=max_pages, topk=topk, local_blocks=local_blocks,
+    x = prepare_scores(x, ids, nvp, max_pages=max_pages, topk=topk, local_blocks=local_blocks,
                  init_blocks=init_blocks)
     slot = lax.broadcasted_iota(jnp.int32, (hs, topk), 1)
 
@@ -159,7 +160,7 @@ def sparse_topk_select_reference(scores: jax.Array, num_valid_pages: jax.Array, 
     _validate(scores, num_valid_pages, topk, local_blocks, init_blocks)
     t, h, p = scores.shape
     ids = jnp.arange(p, dtype=jnp.int32)[None, None, :]
-    x = _prepare(scores, ids, num_valid_pages[:, None, None], max_pages=p, topk=topk,
+    x = prepare_scores(scores, ids, num_valid_pages[:, None, None], max_pages=p, topk=topk,
                  local_blocks=local_blocks, init_blocks=init_blocks)
     if p < topk:  # lax.top_k needs k <= P
         x = jnp.pad(x, ((0, 0), (0, 0), (0, topk - p)), constant_values=-jnp.inf)
