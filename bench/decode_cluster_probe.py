@@ -16,10 +16,9 @@ import time
 
 import _common  # noqa: F401  (preamble: repository on sys.path, one warning filter)
 import jax  # noqa: E402
-from decode_mgpu import errors, make_inputs, mgpu_fn, parse_shapes, time_op  # noqa: E402
+from decode_mgpu import (SCALE, errors, make_inputs, mgpu_fn, parse_shapes,  # noqa: E402
+                         shape_id, time_op)
 from pallas_kernels.sparse_decode import sparse_decode_reference  # noqa: E402
-
-SCALE = 128 ** -0.5
 
 
 def main(argv=None) -> int:
@@ -32,7 +31,7 @@ def main(argv=None) -> int:
     for shape in parse_shapes(a.shapes):
         args = make_inputs(shape, 0)
         ref = sparse_decode_reference(*args, scale=SCALE)
-        row = dict(shape=f"{shape.hq}/{shape.hkv}/{shape.batch}/{shape.context}", runs=[])
+        row = dict(shape=shape_id(shape), runs=[])
         for splits in (8, 16):
             for stages in (1, 2):
                 run = dict(num_splits=splits, num_stages=stages)

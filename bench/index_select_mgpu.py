@@ -29,12 +29,6 @@ from pallas_kernels.index_select_mgpu import msa_index_select_mgpu  # noqa: E402
 ARGS = ("index_q", "index_k", "block_table", "req_indices", "positions")
 
 
-def timed(fn, args, reps, trials) -> dict:
-    t = time_jax(fn, args, n=reps, trials=trials, l2="cold")
-    return dict(us=t.us, samples=[round(s * 1e6, 2) for s in t.samples_s],
-                host_us_per_call=t.host_us_per_call, gpu_bound=t.gpu_bound)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -49,8 +43,7 @@ def main(argv=None) -> int:
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"),
                   method=_common.timer_description("cold", a.reps), rows=[])
-    variants = {"triton": lambda *x: msa_index_select(*x),
-                "mgpu": lambda *x: msa_index_select_mgpu(*x)}
+    variants = {"triton": msa_index_select, "mgpu": msa_index_select_mgpu}
     for shape in shapes:
         x = make_inputs(shape, 0)
         args = tuple(x[k] for k in ARGS)
@@ -61,7 +54,7 @@ def main(argv=None) -> int:
                 outs[name] = np.sort(np.asarray(jax.jit(fn)(*args)), axis=-1)
                 row[f"{name}_kernels"] = hlo_kernel_count(
                     jax.jit(fn).lower(*args).compile().as_text())["total"]
-                row[name] = timed(fn, args, a.reps, a.trials)
+                row[name] = time_jax(fn, args, n=a.reps, trials=a.trials, l2="cold").as_dict()
             except Exception as e:  # one failing variant must not hide the others
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
         if len(outs) == 2:
@@ -71,7 +64,8 @@ def main(argv=None) -> int:
             for ppp in (1, 2, 4, 8, 16):
                 fn = functools.partial(msa_index_select_mgpu, pages_per_program=ppp)
                 try:
-                    row["sweep"].append(dict(ppp=ppp, us=timed(fn, args, a.reps, 1)["us"]))
+                    t = time_jax(fn, args, n=a.reps, trials=1, l2="cold")
+                    row["sweep"].append(dict(ppp=ppp, us=t.us))
                 except Exception as e:
                     row["sweep"].append(dict(ppp=ppp, error=f"{type(e).__name__}: {str(e)[:300]}"))
         result["rows"].append(row)
