@@ -8,8 +8,8 @@ dot's 64 rows from the token's H query rows (row r holds head ``r % H``), stream
 pages through a TMA ring (the page id a dynamic coordinate, read from the block table when the
 copy is issued) and takes ``S = Q K^T`` with wgmma. The causal mask keeps keys
 ``b * 128 + i <= position``; the block score of head h is row h's max. The chunk's scores leave
-by TMA into an f32 scratch ``[T, Pp, 64]`` (row = page, column = dot row); rows of pages at or
-past ``nvp`` hold whatever the CTA's shared memory held, and the select never uses them.
+by TMA into an f32 scratch ``[T, Pp, 64]`` (row = page, column = dot row); pages at or past
+``nvp`` score -inf, as in the Triton indexer (a given ``num_valid_pages`` may count them).
 
 Select kernel: grid ``(T,)``, one warpgroup; it loads the token's ``[Pp, 8]`` scores, applies the
 selector's rules (:mod:`pallas_kernels.topk_select`: forced local/init blocks, NaN as -inf,
@@ -103,6 +103,15 @@ def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring,
         return 0
 
     lax.fori_loop(0, n_mine, step, 0)
+    # Pages past the position score -inf (a given num_valid_pages may reach them).
+    key = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
+    none = jnp.where(key < 0, 0.0, -jnp.inf).max(axis=1)
+
+    def unread(j, _):
+        sc_smem.at[j][...] = none
+        return 0
+
+    lax.fori_loop(n_mine, ppp, unread, 0)
     if pdl:  # the select may launch (it waits for this grid's writes)
         plgpu.griddepcontrol_launch_dependents()
     plgpu.commit_smem()

@@ -6,6 +6,8 @@ On a CPU backend both kernels run in Mosaic GPU interpret mode without being ask
 ``test_index_scores.make_batch``'s: requests of lengths that are not multiples of 128, padded
 tokens, block-table entries past each request set to -1 or N + 7, and a poison page where a
 wrapped or clamped id would land (a read of it would win every selection it entered).
+Where the kernel's scratch could leak into the result, the interpreter fills uninitialised
+memory with zeros (``ZERO_FILLED``) instead of NaN, which the selector would turn into -inf.
 """
 from __future__ import annotations
 
@@ -14,14 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
+from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._lowering import lower_for_cuda
 from pallas_kernels.index_select import msa_index_select_reference, num_valid_pages_of
 from pallas_kernels.index_select_mgpu import msa_index_select_mgpu
 from test_index_scores import MAX_PAGES, make_batch
 from test_topk_select import check_structure
+
+ZERO_FILLED = (plgpu.InterpretGPUParams(uninitialized_memory="zero")
+               if resolve_interpret(None) else None)  # None: compiled on a GPU
 
 
 @pytest.fixture(autouse=True)
@@ -48,14 +55,16 @@ def test_matches_reference(dtype, num_heads, index_dim, pages_per_program, num_s
 
 @pytest.mark.parametrize("local_blocks,init_blocks", [(1, 0), (2, 1), (0, 0)])
 def test_given_page_counts_and_forced_blocks(local_blocks, init_blocks):
-    """num_valid_pages given (below and above positions // 128 + 1, negative, past P)."""
+    """num_valid_pages given (below and above positions // 128 + 1, negative, past P): pages
+    past the position score -inf, whatever the scratch held."""
     q, k, bt, req, pos = make_batch(fresh_seed(), jnp.bfloat16, 2, 64)
     rng = np.random.default_rng(fresh_seed())
     nvp = np.asarray(num_valid_pages_of(pos)) + rng.integers(-3, 4, pos.shape[0])
     nvp[0], nvp[-1] = -2, MAX_PAGES + 5
     nvp = jnp.asarray(nvp, jnp.int32)
     got = msa_index_select_mgpu(q, k, bt, req, pos, nvp, local_blocks=local_blocks,
-                                init_blocks=init_blocks, pages_per_program=4)
+                                init_blocks=init_blocks, pages_per_program=4,
+                                interpret=ZERO_FILLED)
     want = msa_index_select_reference(q, k, bt, req, pos, nvp, local_blocks=local_blocks,
                                       init_blocks=init_blocks)
     chex.assert_trees_all_equal(got, want)
