@@ -1,14 +1,14 @@
 """H200 benchmark: the Mosaic GPU indexer + select (two launches with PDL) against the Triton
 fused one (``msa_index_select``), bf16, at the 16 shapes of ``bench/kernels.py``.
 
-For each shape: whether the two selections agree (as sets per row; they are computed from the
+For each shape: whether the selections agree (as sets per row; they are computed from the
 same f32 scores, so they should be identical), the XLA kernel count of each op, and the
 cold-L2 time of each (``_common.time_jax``: one executable of (512 MiB flush; op) dispatched
 ``--reps`` times minus the flush-only executable, median of ``--trials``), plus a sweep of the
 Mosaic kernel's pages per CTA with ``--sweep``.
 
 Usage (GPU machine): python3 bench/index_select_mgpu.py --out FILE.json [--shapes 0,1,8]
-  [--sweep] [--reps 100] [--trials 3]
+  [--sweep] [--ppp 1,2] [--reps 100] [--trials 3]
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=positive_int, default=100)
     ap.add_argument("--trials", type=positive_int, default=3)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--ppp", default="", help="more Mosaic variants: pages per CTA, e.g. 1,2")
     a = ap.parse_args(argv)
     shapes = all_shapes()
     if a.shapes:
@@ -44,6 +45,9 @@ def main(argv=None) -> int:
                   date=time.strftime("%Y-%m-%d %H:%M:%S"),
                   method=_common.timer_description("cold", a.reps), rows=[])
     variants = {"triton": msa_index_select, "mgpu": msa_index_select_mgpu}
+    for ppp in filter(None, a.ppp.split(",")):
+        variants[f"mgpu_ppp{int(ppp)}"] = functools.partial(msa_index_select_mgpu,
+                                                            pages_per_program=int(ppp))
     for shape in shapes:
         x = make_inputs(shape, 0)
         args = tuple(x[k] for k in ARGS)
@@ -57,8 +61,9 @@ def main(argv=None) -> int:
                 row[name] = time_jax(fn, args, n=a.reps, trials=a.trials, l2="cold").as_dict()
             except Exception as e:  # one failing variant must not hide the others
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
-        if len(outs) == 2:
-            row["agree"] = float(np.mean(np.all(outs["triton"] == outs["mgpu"], axis=-1)))
+        for name in outs.keys() - {"triton"}:
+            if "triton" in outs:
+                row[f"{name}_agree"] = float(np.mean(np.all(outs["triton"] == outs[name], -1)))
         if a.sweep:
             row["sweep"] = []
             for ppp in (1, 2, 4, 8, 16):

@@ -2,7 +2,8 @@
 
 Subcommands (driven by `bench/kernel_profile.sh` on the GPU machine):
   target  runs, for each shape of --shapes (indices into bench/_shapes_inputs.all_shapes), our
-          fused indexer+select, our separate scores and select kernels, our decode, then
+          fused indexer+select, our separate scores and select kernels, the Mosaic GPU
+          indexer+select (--mgpu-ppp pages per scores CTA), our decode, then
           vLLM's indexer and decode, each --launches times, in that order; writes the plan to
           --out/plan.json. Run it under ncu with the kernel filter of kernel_profile.sh.
   table   reads ncu's CSV (--csv --page raw) and the plan, and writes a markdown table of the
@@ -30,9 +31,12 @@ from pallas_kernels import TOPK
 from pallas_kernels.index_scores import msa_index_scores
 from pallas_kernels.topk_select import sparse_topk_select
 from pallas_kernels.index_select import num_valid_pages_of
+from pallas_kernels.index_select_mgpu import msa_index_select_mgpu
 
 # kernel name (as ncu prints it, a prefix) -> (side, op)
-KERNELS = {
+KERNELS = {  # first match wins: the Mosaic GPU names extend the Triton ones
+    "msa_index_scores_mgpu": ("ours", "indexer mgpu"),
+    "msa_topk_select_mgpu": ("ours", "indexer mgpu"),
     "msa_index_select": ("ours", "indexer"), "msa_index_scores": ("ours", "scores+select"),
     "sparse_topk_select": ("ours", "scores+select"), "msa_sparse_decode": ("ours", "decode"),
     "_decode_index_score_kernel": ("vllm", "indexer"),
@@ -71,6 +75,9 @@ def target(args) -> int:
                                                    **_common.PALLAS_KW))
     select_fn = jax.jit(lambda s, pos: sparse_topk_select(s, num_valid_pages_of(pos),
                                                           topk=TOPK, **_common.PALLAS_KW))
+    mgpu_fn = jax.jit(lambda x: msa_index_select_mgpu(
+        x["index_q"], x["index_k"], x["block_table"], x["req_indices"], x["positions"],
+        pages_per_program=args.mgpu_ppp))
     indexer, decode = jax.jit(our_indexer), jax.jit(our_decode)
     n = args.launches
     marker = _marker()
@@ -82,6 +89,8 @@ def target(args) -> int:
         for _ in range(n):
             scores = jax.block_until_ready(scores_fn(x))
             jax.block_until_ready(select_fn(scores, x["positions"]))
+        for _ in range(n):
+            jax.block_until_ready(mgpu_fn(x))
         for _ in range(n):
             jax.block_until_ready(decode(x, selected))
         calls, tensors = vllm_calls(vt, ops, x, None, selected, shape)
@@ -151,13 +160,13 @@ def table(args) -> int:
                              f"{med:.2f} | {mb:.2f} |")
             summary.setdefault(shape, {})[f"{side} {op}"] = round(total, 2)
     lines += ["", "| shape | " + " | ".join(
-        ["ours indexer", "ours scores+select", "vllm indexer", "ours decode", "vllm decode"])
-        + " |", "|---" * 6 + "|"]
+        ["ours indexer", "ours scores+select", "ours indexer mgpu", "vllm indexer",
+         "ours decode", "vllm decode"]) + " |", "|---" * 7 + "|"]
     for shape, s in summary.items():
         lines.append(f"| {shape} | " + " | ".join(
-            f"{s.get(k, float('nan')):.2f}" for k in ("ours indexer", "ours scores+select",
-                                                      "vllm indexer", "ours decode",
-                                                      "vllm decode")) + " |")
+            f"{s.get(k, float('nan')):.2f}" for k in (
+                "ours indexer", "ours scores+select", "ours indexer mgpu", "vllm indexer",
+                "ours decode", "vllm decode")) + " |")
     text = "\n".join(lines)
     print(text)
     with open(args.md, "w") as f:
@@ -174,6 +183,7 @@ def main(argv=None) -> int:
     t.add_argument("--shapes", default="0,1,2,5,7,9")
     t.add_argument("--launches", type=_common.positive_int, default=3)
     t.add_argument("--vllm-ops", default=".vllm_ops")
+    t.add_argument("--mgpu-ppp", type=_common.positive_int, default=None)
     t.add_argument("--seed", type=_common.non_negative_int, default=0)
     t.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     s = sub.add_parser("table")

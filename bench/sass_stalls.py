@@ -1,4 +1,4 @@
-"""Summarise ncu's SASS source page (``bench/decode_sass_profile.sh``'s sass.csv).
+"""Summarise ncu's SASS source page (``bench/sass_profile.sh``'s sass.csv).
 
     python3 bench/sass_stalls.py sass.csv [--top 40]
 

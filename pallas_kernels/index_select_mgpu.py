@@ -7,14 +7,16 @@ Scores kernel: grid ``(T, C)``, one warpgroup per CTA; CTA ``(t, c)`` owns the p
 dot's 64 rows from the token's H query rows (row r holds head ``r % H``), streams its index-K
 pages through a TMA ring (the page id a dynamic coordinate, read from the block table when the
 copy is issued) and takes ``S = Q K^T`` with wgmma. The causal mask keeps keys
-``b * 128 + i <= position``; the block score of head h is row h's max. The chunk's scores leave
-by TMA into an f32 scratch ``[T, Pp, 64]`` (row = page, column = dot row); pages at or past
+``b * 128 + i <= position``; the block score of head h is row h's max. The chunk's scores go
+to an f32 scratch ``[T, H, Pp]`` (head-major, ``Pp`` a multiple of 128); pages at or past
 ``nvp`` score -inf, as in the Triton indexer (a given ``num_valid_pages`` may count them).
 
-Select kernel: grid ``(T,)``, one warpgroup; it loads the token's ``[Pp, 8]`` scores, applies the
-selector's rules (:mod:`pallas_kernels.topk_select`: forced local/init blocks, NaN as -inf,
-ties to the smaller id, -1 for fewer than 16 picks) with 16 rounds of column max and column
-min-of-ties, ranks the winners in ascending order and stores them.
+Select kernel: grid ``(T, H)``, one warpgroup; CTA ``(t, h)`` loads head h's ``[Pp]`` scores
+(``Pp / 128`` per thread), applies the selector's rules (:mod:`pallas_kernels.topk_select`:
+forced local/init blocks, NaN as -inf, ties to the smaller id, -1 for fewer than 16 picks),
+maps them to int32 keys of the same order, and takes 16 rounds of (max key, smallest id with
+it), each a whole-warpgroup int32 reduction; it ranks the winners in ascending order and
+stores them.
 
 Safety boundary: as :func:`pallas_kernels.index_scores.msa_index_scores` (request rows clamped
 to ``[0, R)``, page ids to ``[0, N)``, block-table columns below ``min(nvp, P)`` only) and the
@@ -46,13 +48,15 @@ from pallas_kernels.index_select import num_valid_pages_of
 from pallas_kernels.topk_select import prepare_scores, validate_selection
 
 ROWS = 64  # wgmma M: the dot's rows (row r holds query head r % H)
-MAX_HEADS = 8  # the select reads 8 score columns per page
-MAX_PAGES = 1024  # block-table columns the select holds in registers ([Pp, 8] f32 per token)
+MAX_HEADS = 8  # index heads per token (the scores kernel copies H scores per page)
+MAX_PAGES = 1024  # block-table columns: the select holds Pp / 128 <= 8 scores per thread
 HEAD_DIMS = (64, 128)
 STAGES = (1, 2, 3)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _NO_ID = 2 ** 30  # larger than any block id
+_NEG_INF_KEY = -1 - 0x7F800000  # _ordered_key(-inf)
+_TAKEN = -2 ** 31  # below every _ordered_key: a block already picked
 
 
 def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring, sc_smem, kbar,
@@ -114,51 +118,63 @@ def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring,
     lax.fori_loop(n_mine, ppp, unread, 0)
     if pdl:  # the select may launch (it waits for this grid's writes)
         plgpu.griddepcontrol_launch_dependents()
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(sc_smem, sc_ref.at[t, pl.ds(start, ppp)])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.commit_smem()  # every thread's rows, before the scalar reads below
+
+    def store(j, _):  # head-major, so the select reads each head's row contiguously
+        for hh in range(num_heads):
+            sc_ref[t, hh, start + j] = sc_smem[j, hh]
+        return 0
+
+    lax.fori_loop(0, ppp, store, 0)
 
 
-def _select_body(sc_ref, pos_ref, *refs, num_heads, max_pages, padded_pages, local_blocks,
-                 init_blocks, nvp_given, pdl):
+def _select_body(sc_ref, pos_ref, *refs, max_pages, padded_pages, local_blocks, init_blocks,
+                 nvp_given, pdl):
     if nvp_given:
         nvp_ref, o_ref, o_smem = refs
     else:
         o_ref, o_smem = refs
     t = lax.axis_index("t")
-    layout = plgpu.Layout.WGMMA
-    shape = (padded_pages, MAX_HEADS)
+    h = lax.axis_index("h")
+    layout = plgpu.Layout.WG_STRIDED((padded_pages,), vec_size=padded_pages // 128)
     if pdl:  # launched early: wait for the scores kernel's writes
         plgpu.griddepcontrol_wait()
     nvp = nvp_ref[t] if nvp_given else num_valid_pages_of(pos_ref[t])
-    x = plgpu.load(sc_ref.at[t, :, pl.ds(0, MAX_HEADS)], layout=layout, optimized=False)
-    ids = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+    x = plgpu.load(sc_ref.at[t, h], layout=layout, optimized=False)
+    ids = plgpu.broadcasted_iota(jnp.int32, (padded_pages,), 0, layout=layout)
     x = prepare_scores(x, ids, nvp, max_pages=max_pages, topk=TOPK, local_blocks=local_blocks,
                        init_blocks=init_blocks)
+    key = _ordered_key(x)
 
-    wins = []  # round r's pick per head ([8] int32), -1 once only -inf is left
+    wins = []  # round r's pick, -1 once only -inf is left
     for _ in range(TOPK):
-        m = x.max(axis=0)
-        pick = jnp.where(x == lax.broadcast_in_dim(m, shape, [1]), ids, _NO_ID).min(axis=0)
-        wins.append(jnp.where(m > -jnp.inf, pick, -1))
-        x = jnp.where(ids == lax.broadcast_in_dim(pick, shape, [1]), -jnp.inf, x)
+        m = key.max()
+        pick = jnp.where(key == m, ids, _NO_ID).min()
+        wins.append(jnp.where(m > _NEG_INF_KEY, pick, -1))
+        key = jnp.where(ids == pick, _TAKEN, key)
     if pdl:
         plgpu.griddepcontrol_launch_dependents()
 
     # Ascending order, -1 last: rank[a] = #{b : key[b] < key[a] or (== and b < a)}.
     keys = [jnp.where(w < 0, _NO_ID, w) for w in wins]
-    ranks = []
+    slot = plgpu.broadcasted_iota(jnp.int32, (128,), 0, layout=plgpu.Layout.WG_STRIDED((128,), 1))
+    out = None
     for a in range(TOPK):
         before = [(keys[b] <= keys[a]) if b < a else (keys[b] < keys[a])
                   for b in range(TOPK) if b != a]
-        ranks.append(functools.reduce(jnp.add, [b.astype(jnp.int32) for b in before]))
-    for r in range(TOPK):
-        o_smem.at[r][...] = functools.reduce(
-            jnp.add, [jnp.where(ranks[a] == r, wins[a], 0) for a in range(TOPK)])
+        rank = functools.reduce(jnp.add, [b.astype(jnp.int32) for b in before])
+        term = jnp.where(slot == rank, wins[a], 0)
+        out = term if out is None else out + term
+    o_smem[...] = out
     plgpu.commit_smem()
-    for h in range(num_heads):
-        for r in range(TOPK):
-            o_ref[t, h, r] = o_smem[r, h]
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, TOPK)], o_ref.at[t, h])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _ordered_key(x):
+    """f32 -> int32 in the same order (no NaN: the selector maps it to -inf first)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, jnp.int32(2 ** 31 - 1) - bits, bits)
 
 
 def _check(index_q, index_k_cache, block_table, num_stages, ppp):
@@ -204,7 +220,7 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     ns = min(3, ppp) if num_stages is None else num_stages
     _check(index_q, index_k_cache, block_table, ns, ppp)
     chunks = pl.cdiv(p, ppp)
-    padded = pl.cdiv(chunks * ppp, ROWS) * ROWS  # the select's rows: a multiple of 64
+    padded = pl.cdiv(chunks * ppp, 128) * 128  # the select's row: 128 threads, equal shares
     ring_bytes = ns * PAGE_SIZE * di * index_q.dtype.itemsize
     if ring_bytes + ROWS * di * 2 + ppp * ROWS * 4 > SMEM_BYTES:
         raise ValueError(f"msa_index_select_mgpu: num_stages {ns} needs more than "
@@ -214,7 +230,7 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     scores = plgpu.kernel(
         functools.partial(_scores_body, num_heads=h, ppp=ppp, num_stages=ns, num_pages=n,
                           num_rows=r, max_pages=p, dtype=index_q.dtype, pdl=pdl),
-        out_type=jax.ShapeDtypeStruct((t, padded, ROWS), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((t, h, padded), jnp.float32),
         scratch_types=[plgpu.SMEM((ROWS, di), index_q.dtype, transforms=_TILE),
                        plgpu.SMEM((ns, PAGE_SIZE, di), index_q.dtype, transforms=_TILE),
                        plgpu.SMEM((ppp, ROWS), jnp.float32),
@@ -224,12 +240,12 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     )(index_q, index_k_cache, block_table, req_indices, positions)
     args = [scores, positions] + ([] if num_valid_pages is None else [num_valid_pages])
     return plgpu.kernel(
-        functools.partial(_select_body, num_heads=h, max_pages=p, padded_pages=padded,
+        functools.partial(_select_body, max_pages=p, padded_pages=padded,
                           local_blocks=local_blocks, init_blocks=init_blocks,
                           nvp_given=num_valid_pages is not None, pdl=pdl),
         out_type=jax.ShapeDtypeStruct((t, h, TOPK), jnp.int32),
-        scratch_types=[plgpu.SMEM((TOPK, MAX_HEADS), jnp.int32)],
-        grid=(t,), grid_names=("t",), interpret=params, kernel_name="msa_topk_select_mgpu",
+        scratch_types=[plgpu.SMEM((128,), jnp.int32)],
+        grid=(t, h), grid_names=("t", "h"), interpret=params, kernel_name="msa_topk_select_mgpu",
     )(*args)
 
 
