@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels.sparse_decode_default import sparse_decode_default
-from pallas_kernels.index_select import msa_index_select
+from pallas_kernels.index_select_default import msa_index_select_default
 
 HEAD_DIM = 128
 INDEX_DIM = 128
@@ -72,8 +72,8 @@ def make_inputs(shape: Shape, seed: int) -> dict:
 
 def our_indexer(x: dict) -> jax.Array:
     """Index scores + top-16 select -> [B, Hkv, 16] int32 (x["index_k"] bf16 or fp8)."""
-    return msa_index_select(x["index_q"], x["index_k"], x["block_table"], x["req_indices"],
-                            x["positions"], **_common.PALLAS_KW)
+    return msa_index_select_default(x["index_q"], x["index_k"], x["block_table"],
+                                    x["req_indices"], x["positions"], **_common.PALLAS_KW)
 
 
 def our_decode(x: dict, selected: jax.Array) -> tuple[jax.Array, jax.Array]:

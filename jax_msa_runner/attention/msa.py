@@ -1,7 +1,8 @@
 """MSA attention for one batch: index scores -> top-16 page select -> sparse attention.
 
-`msa_attention` wires the kernels (the indexer and the select run as one launch; decode on
-the kernel `sparse_decode_default` picks for the batch's shape) to a batch's `BatchMetadata`
+`msa_attention` wires the kernels (the indexer and select on the kernel
+`msa_index_select_default` picks, decode on the one `sparse_decode_default` picks, each for
+the batch's shape) to a batch's `BatchMetadata`
 (any object with the fields block_table, req_indices, positions, num_valid_pages and
 kv_lens): the selector reads `num_valid_pages` (derived from positions) and the attention
 reads `kv_lens` (derived from seq_lens); staging guarantees they agree (validate.py checks
@@ -15,7 +16,8 @@ import functools
 
 import jax
 
-from pallas_kernels.index_select import msa_index_select, msa_index_select_reference
+from pallas_kernels.index_select import msa_index_select_reference
+from pallas_kernels.index_select_default import msa_index_select_default
 from pallas_kernels.sparse_decode import sparse_decode_reference
 from pallas_kernels.sparse_decode_default import sparse_decode_default
 from pallas_kernels.sparse_prefill import sparse_prefill
@@ -40,9 +42,10 @@ def msa_attention(q, index_q, kv_cache, index_k_cache, md, *, scale, prefill=Fal
     Returns:
       (out [T, Hq, D] q.dtype, lse [T, Hq] f32, selected [T, Hkv, 16] int32).
     """
-    selected = msa_index_select(index_q, index_k_cache, md.block_table, md.req_indices,
-                                md.positions, md.num_valid_pages, local_blocks=local_blocks,
-                                init_blocks=init_blocks, interpret=interpret)
+    selected = msa_index_select_default(index_q, index_k_cache, md.block_table,
+                                        md.req_indices, md.positions, md.num_valid_pages,
+                                        local_blocks=local_blocks, init_blocks=init_blocks,
+                                        interpret=interpret)
     attend = sparse_prefill if prefill else sparse_decode_default
     out, lse = attend(q, kv_cache, selected, md.block_table, md.req_indices, md.kv_lens,
                       scale=scale, interpret=interpret)
