@@ -18,7 +18,7 @@ from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels._lowering import TRITON_CUSTOM_CALL, lower_for_cuda
 from pallas_kernels.index_select import (msa_index_select, msa_index_select_reference,
                                          num_valid_pages_of)
-from pallas_kernels.index_select_default import (MOSAIC_MAX_PAGES, index_backend,
+from pallas_kernels.index_select_default import (MOSAIC_MAX_SCORES, index_backend,
                                                  msa_index_select_default)
 from test_index_scores import make_batch
 
@@ -27,9 +27,10 @@ BF16, F16, FP8 = jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
 
 @pytest.mark.parametrize("t,p,h,di,q_dtype,k_dtype,interpreting,want", [
     (1, 64, 1, 128, BF16, BF16, False, "mosaic"),
-    (16, 512, 4, 128, F16, F16, False, "mosaic"),
-    (MOSAIC_MAX_PAGES // 512, 512, 4, 128, BF16, BF16, False, "mosaic"),
-    (MOSAIC_MAX_PAGES // 512 + 1, 512, 4, 128, BF16, BF16, False, "triton"),
+    (1, 512, 4, 128, F16, F16, False, "mosaic"),
+    (MOSAIC_MAX_SCORES // 64, 64, 1, 128, BF16, BF16, False, "mosaic"),
+    (MOSAIC_MAX_SCORES // 64 + 1, 64, 1, 128, BF16, BF16, False, "triton"),
+    (16, 64, 4, 128, BF16, BF16, False, "triton"),
     (1, 512, 1, 128, BF16, FP8, False, "triton"),     # an fp8 index cache
     (1, 512, 1, 128, FP8, FP8, False, "triton"),
     (1, 512, 16, 128, BF16, BF16, False, "triton"),   # more than 8 index heads
@@ -49,7 +50,8 @@ def _specs(t, h, context, dtype=BF16):
 
 
 @pytest.mark.parametrize("t,h,context,want", [
-    (1, 1, 8192, "mosaic"), (16, 4, 65536, "mosaic"), (128, 4, 65536, "triton"),
+    (1, 1, 8192, "mosaic"), (1, 4, 65536, "mosaic"), (16, 1, 8192, "mosaic"),
+    (16, 4, 8192, "triton"), (128, 4, 65536, "triton"),
 ])
 def test_lowers_to_the_chosen_kernel_for_h200(t, h, context, want):
     """Compiled for an H200 (``interpret=None`` under an abstract H200 mesh), the call lowers
