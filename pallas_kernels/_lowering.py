@@ -17,6 +17,7 @@ import jax
 from jax.sharding import AbstractDevice, AbstractMesh
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_CUSTOM_CALL = "@mosaic_gpu"
 H200 = ("NVIDIA H200", 132)
 
 
@@ -51,3 +52,16 @@ def triton_calls(hlo_text: str) -> list[dict[str, int | str]]:
             info["name"] = m.group(1)
         calls.append(info)
     return calls
+
+
+def custom_call_counts(hlo_text: str) -> dict[str, int]:
+    """How many custom calls of lowered text are Mosaic GPU kernels, Triton kernels, or
+    anything else: ``{"mosaic": m, "triton": t, "other": o}``."""
+    counts = {"mosaic": 0, "triton": 0, "other": 0}
+    for line in hlo_text.splitlines():
+        if "stablehlo.custom_call" not in line:
+            continue
+        kind = ("mosaic" if MOSAIC_CUSTOM_CALL in line
+                else "triton" if TRITON_CUSTOM_CALL in line else "other")
+        counts[kind] += 1
+    return counts

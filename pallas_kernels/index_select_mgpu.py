@@ -155,12 +155,12 @@ def _select_body(sc_ref, pos_ref, *refs, max_pages, padded_pages, local_blocks, 
     if pdl:
         plgpu.griddepcontrol_launch_dependents()
 
-    # Ascending order, -1 last: rank[a] = #{b : key[b] < key[a] or (== and b < a)}.
-    keys = [jnp.where(w < 0, _NO_ID, w) for w in wins]
+    # Ascending order, -1 last: rank[a] = #{b : id[b] < id[a] or (== and b < a)}.
+    sort_ids = [jnp.where(w < 0, _NO_ID, w) for w in wins]
     slot = plgpu.broadcasted_iota(jnp.int32, (128,), 0, layout=plgpu.Layout.WG_STRIDED((128,), 1))
     out = None
     for a in range(TOPK):
-        before = [(keys[b] <= keys[a]) if b < a else (keys[b] < keys[a])
+        before = [(sort_ids[b] <= sort_ids[a]) if b < a else (sort_ids[b] < sort_ids[a])
                   for b in range(TOPK) if b != a]
         rank = functools.reduce(jnp.add, [b.astype(jnp.int32) for b in before])
         term = jnp.where(slot == rank, wins[a], 0)

@@ -15,7 +15,7 @@ import pytest
 
 from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
-from pallas_kernels._lowering import TRITON_CUSTOM_CALL, lower_for_cuda
+from pallas_kernels._lowering import custom_call_counts, lower_for_cuda
 from pallas_kernels.index_select import (msa_index_select, msa_index_select_reference,
                                          num_valid_pages_of)
 from pallas_kernels.index_select_default import (MOSAIC_MAX_SCORES, index_backend,
@@ -57,10 +57,8 @@ def test_lowers_to_the_chosen_kernel_for_h200(t, h, context, want):
     """Compiled for an H200 (``interpret=None`` under an abstract H200 mesh), the call lowers
     to the chosen kernel's custom calls only: two Mosaic GPU ones, or one Triton one."""
     text = lower_for_cuda(msa_index_select_default, *_specs(t, h, context))
-    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
-    mosaic = [c for c in calls if "@mosaic_gpu" in c]
-    triton = [c for c in calls if TRITON_CUSTOM_CALL in c]
-    assert (len(mosaic), len(triton)) == ((2, 0) if want == "mosaic" else (0, 1)), calls
+    counts = dict(mosaic=2, triton=0) if want == "mosaic" else dict(mosaic=0, triton=1)
+    assert custom_call_counts(text) == dict(counts, other=0)
 
 
 @pytest.mark.parametrize("backend", [None, "mosaic", "triton"])
