@@ -1,5 +1,6 @@
 """H200 benchmark: the Mosaic GPU indexer + select (two launches with PDL) against the Triton
-fused one (``msa_index_select``), bf16, at the 16 shapes of ``bench/kernels.py``.
+fused one (``msa_index_select``), bf16 (or e4m3 with ``--fp8``), at the 16 shapes of
+``bench/kernels.py``.
 
 For each shape: whether the selections agree (as sets per row; they are computed from the
 same f32 scores, so they should be identical), the XLA kernel count of each op, and the
@@ -8,7 +9,7 @@ cold-L2 time of each (``_common.time_jax``: one executable of (512 MiB flush; op
 Mosaic kernel's pages per CTA with ``--sweep``.
 
 Usage (GPU machine): python3 bench/index_select_mgpu.py --out FILE.json [--shapes 0,1,8]
-  [--sweep] [--ppp 1,2] [--reps 100] [--trials 3]
+  [--sweep] [--ppp 1,2] [--fp8] [--reps 100] [--trials 3]
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pallas_kernels.index_select import msa_index_select  # noqa: E402
 from pallas_kernels.index_select_mgpu import msa_index_select_mgpu  # noqa: E402
 
 ARGS = ("index_q", "index_k", "block_table", "req_indices", "positions")
+FP8 = jax.numpy.float8_e4m3fn
 
 
 def main(argv=None) -> int:
@@ -37,19 +39,24 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=positive_int, default=3)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--ppp", default="", help="more Mosaic variants: pages per CTA, e.g. 1,2")
+    ap.add_argument("--fp8", action="store_true",
+                    help="e4m3 index queries over an e4m3 index-K cache on both kernels")
     a = ap.parse_args(argv)
     shapes = all_shapes()
     if a.shapes:
         shapes = [shapes[int(i)] for i in a.shapes.split(",")]
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                  method=_common.timer_description("cold", a.reps), rows=[])
+                  method=_common.timer_description("cold", a.reps),
+                  index_dtype="float8_e4m3fn" if a.fp8 else "bfloat16", rows=[])
     variants = {"triton": msa_index_select, "mgpu": msa_index_select_mgpu}
     for ppp in filter(None, a.ppp.split(",")):
         variants[f"mgpu_ppp{int(ppp)}"] = functools.partial(msa_index_select_mgpu,
                                                             pages_per_program=int(ppp))
     for shape in shapes:
         x = make_inputs(shape, 0)
+        if a.fp8:
+            x = dict(x, index_q=x["index_q"].astype(FP8), index_k=x["index_k"].astype(FP8))
         args = tuple(x[k] for k in ARGS)
         row = dict(shape=shape.name)
         outs = {}

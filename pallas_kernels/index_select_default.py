@@ -4,7 +4,8 @@ Both compute :func:`pallas_kernels.index_select.msa_index_select` (same argument
 safety boundary and reference). The Mosaic GPU kernels
 (:mod:`pallas_kernels.index_select_mgpu`) are two launches with programmatic dependent
 launch; the Triton kernel (:mod:`pallas_kernels.index_select`) is one launch after a counter
-memset, and takes fp8 index caches. :func:`index_backend` picks Mosaic GPU for compiled calls
+memset. fp8 index caches run on Triton: the Mosaic GPU kernels take e4m3 queries over an e4m3
+cache but have not been timed there yet. :func:`index_backend` picks Mosaic GPU for compiled calls
 whose dtype, head count, index dim and block-table width it supports and whose scores
 ``T * H * P`` are at most :data:`MOSAIC_MAX_SCORES`, Triton otherwise (bench/RESULTS.md has
 the measurements behind the bound). Interpreted calls (a CPU backend) run the Triton kernel unless

@@ -23,8 +23,9 @@ to ``[0, R)``, page ids to ``[0, N)``, block-table columns below ``min(nvp, P)``
 selector (counts clamped to ``[0, P]``).
 
 Shapes / dtypes:
-  index_q          [T, H, Di]   bf16 | f16, H <= 8, Di in {64, 128}
-  index_k_cache    [N, 128, Di] index_q's dtype
+  index_q          [T, H, Di]   bf16 | f16 | float8_e4m3fn, H <= 8, Di in {64, 128}
+  index_k_cache    [N, 128, Di] index_q's dtype (e4m3 queries over an e4m3 cache: an fp8 x fp8
+                                wgmma with f32 accumulation, as vLLM's fp8 indexer)
   block_table      [R, P]       int32, P <= 1024 (the select holds a token's scores in registers)
   req_indices      [T]          int32
   positions        [T]          int32
@@ -52,11 +53,18 @@ MAX_HEADS = 8  # index heads per token (the scores kernel copies H scores per pa
 MAX_PAGES = 1024  # block-table columns: the select holds Pp / 128 <= 8 scores per thread
 HEAD_DIMS = (64, 128)
 STAGES = (1, 2, 3)
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float8_e4m3fn))
 _NO_ID = 2 ** 30  # larger than any block id
 _NEG_INF_KEY = -1 - 0x7F800000  # _ordered_key(-inf)
 _TAKEN = -2 ** 31  # below every _ordered_key: a block already picked
+
+
+def _smem_tiling(dtype, di: int) -> tuple:
+    """Tiling and swizzle of a ``[rows, Di]`` wgmma operand in shared memory: rows of at most
+    128 bytes per swizzle period (Di = 64 in fp8 is a 64-byte row)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, di * itemsize)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring, sc_smem, kbar,
@@ -181,9 +189,9 @@ def _check(index_q, index_k_cache, block_table, num_stages, ppp):
     """The Mosaic GPU kernels' own bounds (ValueError / TypeError naming the argument)."""
     name = "msa_index_select_mgpu"
     t, h, di = index_q.shape
-    if jnp.dtype(index_q.dtype) not in _DTYPES or index_k_cache.dtype != index_q.dtype:
-        raise TypeError(f"{name}: index_q and index_k_cache must both be bf16 or both f16, got "
-                        f"{index_q.dtype} and {index_k_cache.dtype}")
+    if jnp.dtype(index_q.dtype) not in DTYPES or index_k_cache.dtype != index_q.dtype:
+        raise TypeError(f"{name}: index_q and index_k_cache must both be bf16, both f16 or both "
+                        f"float8_e4m3fn, got {index_q.dtype} and {index_k_cache.dtype}")
     if h > MAX_HEADS:
         raise ValueError(f"{name}: index heads H = {h} exceeds {MAX_HEADS}")
     if di not in HEAD_DIMS:
@@ -222,17 +230,18 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     chunks = pl.cdiv(p, ppp)
     padded = pl.cdiv(chunks * ppp, 128) * 128  # the select's row: 128 threads, equal shares
     ring_bytes = ns * PAGE_SIZE * di * index_q.dtype.itemsize
-    if ring_bytes + ROWS * di * 2 + ppp * ROWS * 4 > SMEM_BYTES:
+    if ring_bytes + ROWS * di * index_q.dtype.itemsize + ppp * ROWS * 4 > SMEM_BYTES:
         raise ValueError(f"msa_index_select_mgpu: num_stages {ns} needs more than "
                          f"{SMEM_BYTES} bytes of shared memory")
+    tiling = _smem_tiling(index_q.dtype, di)
     params = mosaic_interpret_params(interpret)
     pdl = bool(pdl) and params is None
     scores = plgpu.kernel(
         functools.partial(_scores_body, num_heads=h, ppp=ppp, num_stages=ns, num_pages=n,
                           num_rows=r, max_pages=p, dtype=index_q.dtype, pdl=pdl),
         out_type=jax.ShapeDtypeStruct((t, h, padded), jnp.float32),
-        scratch_types=[plgpu.SMEM((ROWS, di), index_q.dtype, transforms=_TILE),
-                       plgpu.SMEM((ns, PAGE_SIZE, di), index_q.dtype, transforms=_TILE),
+        scratch_types=[plgpu.SMEM((ROWS, di), index_q.dtype, transforms=tiling),
+                       plgpu.SMEM((ns, PAGE_SIZE, di), index_q.dtype, transforms=tiling),
                        plgpu.SMEM((ppp, ROWS), jnp.float32),
                        plgpu.Barrier(num_barriers=ns)],
         grid=(t, chunks), grid_names=("t", "c"), interpret=params,
@@ -249,4 +258,4 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     )(*args)
 
 
-__all__ = ["msa_index_select_mgpu", "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES"]
+__all__ = ["msa_index_select_mgpu", "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES", "DTYPES"]

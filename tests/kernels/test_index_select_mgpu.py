@@ -43,6 +43,8 @@ def _fresh_interpreter():
     (jnp.bfloat16, 4, 128, 3, 2),   # chunks not a divisor of P, a ring shorter than a chunk
     (jnp.bfloat16, 1, 64, 8, None),
     (jnp.float16, 3, 128, 32, 3),   # H not a power of two, one chunk per token
+    (jnp.float8_e4m3fn, 2, 128, 4, 2),  # e4m3 queries over an e4m3 cache (128-byte rows)
+    (jnp.float8_e4m3fn, 1, 64, 3, None),  # 64-byte rows: a 64-byte swizzle
 ])
 def test_matches_reference(dtype, num_heads, index_dim, pages_per_program, num_stages):
     q, k, bt, req, pos = make_batch(fresh_seed(), dtype, num_heads, index_dim)
@@ -96,12 +98,15 @@ def _specs(t, h, context, dtype=jnp.bfloat16, di=128):
             s((t,), jnp.int32), s((t,), jnp.int32))
 
 
-@pytest.mark.parametrize("t,h,context", [(1, 1, 8192), (1, 4, 65536), (16, 1, 8192),
-                                         (128, 4, 65536)])
-def test_lowers_for_h200_as_two_kernels_with_pdl(t, h, context):
-    """The benchmark shapes lower to exactly two Mosaic GPU custom calls (scores, select),
-    both launched with programmatic dependent launch, and no other op that would be a kernel."""
-    text = lower_for_cuda(msa_index_select_mgpu, *_specs(t, h, context))
+@pytest.mark.parametrize("t,h,context,dtype", [
+    (1, 1, 8192, jnp.bfloat16), (1, 4, 65536, jnp.bfloat16), (16, 1, 8192, jnp.bfloat16),
+    (128, 4, 65536, jnp.bfloat16), (1, 1, 65536, jnp.float8_e4m3fn),
+    (64, 4, 65536, jnp.float8_e4m3fn)])
+def test_lowers_for_h200_as_two_kernels_with_pdl(t, h, context, dtype):
+    """The benchmark shapes (bf16, and fp8 at L=64K) lower to exactly two Mosaic GPU custom
+    calls (scores, select), both launched with programmatic dependent launch, and no other op
+    that would be a kernel."""
+    text = lower_for_cuda(msa_index_select_mgpu, *_specs(t, h, context, dtype))
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 2 and all("@mosaic_gpu" in c for c in calls), calls
     for op in ("stablehlo.pad", "stablehlo.concatenate", "stablehlo.gather",
@@ -112,7 +117,7 @@ def test_lowers_for_h200_as_two_kernels_with_pdl(t, h, context):
 
 
 @pytest.mark.parametrize("kw,match,exc", [
-    (dict(dtype=jnp.float32), "both be bf16 or both f16", TypeError),
+    (dict(dtype=jnp.float32), "both be bf16, both f16 or both float8_e4m3fn", TypeError),
     (dict(h=16), "H = 16 exceeds 8", ValueError),
     (dict(di=256), "Di must be one of", ValueError),
     (dict(context=2048 * PAGE_SIZE), "at most 1024", ValueError),
