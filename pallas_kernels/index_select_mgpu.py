@@ -76,7 +76,7 @@ def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring,
         plgpu.griddepcontrol_wait()
     req = jnp.clip(req_ref[t], 0, num_rows - 1)
     pos = pos_ref[t]
-    nvp = jnp.clip(pos // PAGE_SIZE + 1, 0, max_pages)
+    nvp = jnp.minimum(num_valid_pages_of(pos), max_pages)
     start = c * ppp
     n_mine = jnp.clip(nvp - start, 0, ppp)
 
@@ -98,6 +98,7 @@ def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring,
         a = qh if a is None else jnp.where(rows % num_heads == h, qh, a)
     a_smem[...] = a.astype(dtype)
     plgpu.commit_smem()
+    cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
 
     def step(j, _):
         slot = lax.rem(j, ns)
@@ -108,16 +109,14 @@ def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring,
             return acc_ref[...]
 
         s = pl.run_scoped(dot, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
-        key = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
-        s = jnp.where((start + j) * PAGE_SIZE + key <= pos, s, -jnp.inf)
+        s = jnp.where((start + j) * PAGE_SIZE + cols <= pos, s, -jnp.inf)
         sc_smem.at[j][...] = s.max(axis=1)
         pl.when(j + ns < n_mine)(lambda: issue(j + ns, slot))  # the slot is free again
         return 0
 
     lax.fori_loop(0, n_mine, step, 0)
     # Pages past the position score -inf (a given num_valid_pages may reach them).
-    key = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
-    none = jnp.where(key < 0, 0.0, -jnp.inf).max(axis=1)
+    none = jnp.where(cols < 0, 0.0, -jnp.inf).max(axis=1)
 
     def unread(j, _):
         sc_smem.at[j][...] = none
