@@ -5,8 +5,8 @@ fused one (``msa_index_select``), bf16 (or e4m3 with ``--fp8``), at the 16 shape
 For each shape: whether the selections agree (as sets per row; they are computed from the
 same f32 scores, so they should be identical), the XLA kernel count of each op, and the
 cold-L2 time of each (``_common.time_jax``: one executable of (512 MiB flush; op) dispatched
-``--reps`` times minus the flush-only executable, median of ``--trials``), plus a sweep of the
-Mosaic kernel's pages per CTA with ``--sweep``.
+``--reps`` times minus the flush-only executable, median of ``--trials``). ``--ppp`` adds a
+Mosaic variant per pages-per-CTA value; ``--sweep`` is ``--ppp 1,2,4,8,16``.
 
 Usage (GPU machine): python3 bench/index_select_mgpu.py --out FILE.json [--shapes 0,1,8]
   [--sweep] [--ppp 1,2] [--fp8] [--reps 100] [--trials 3]
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="", help="indices into bench/kernels.py's 16 shapes")
     ap.add_argument("--reps", type=positive_int, default=100)
     ap.add_argument("--trials", type=positive_int, default=3)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="the same as --ppp 1,2,4,8,16")
     ap.add_argument("--ppp", default="", help="more Mosaic variants: pages per CTA, e.g. 1,2")
     ap.add_argument("--fp8", action="store_true",
                     help="e4m3 index queries over an e4m3 index-K cache on both kernels")
@@ -50,9 +50,10 @@ def main(argv=None) -> int:
                   method=_common.timer_description("cold", a.reps),
                   index_dtype="float8_e4m3fn" if a.fp8 else "bfloat16", rows=[])
     variants = {"triton": msa_index_select, "mgpu": msa_index_select_mgpu}
-    for ppp in filter(None, a.ppp.split(",")):
-        variants[f"mgpu_ppp{int(ppp)}"] = functools.partial(msa_index_select_mgpu,
-                                                            pages_per_program=int(ppp))
+    ppps = "1,2,4,8,16" if a.sweep else a.ppp
+    for ppp in (int(v) for v in ppps.split(",") if v):
+        variants[f"mgpu_ppp{ppp}"] = functools.partial(msa_index_select_mgpu,
+                                                       pages_per_program=ppp)
     for shape in shapes:
         x = make_inputs(shape, 0)
         if a.fp8:
@@ -71,15 +72,6 @@ def main(argv=None) -> int:
         for name in outs.keys() - {"triton"}:
             if "triton" in outs:
                 row[f"{name}_agree"] = float(np.mean(np.all(outs["triton"] == outs[name], -1)))
-        if a.sweep:
-            row["sweep"] = []
-            for ppp in (1, 2, 4, 8, 16):
-                fn = functools.partial(msa_index_select_mgpu, pages_per_program=ppp)
-                try:
-                    t = time_jax(fn, args, n=a.reps, trials=1, l2="cold")
-                    row["sweep"].append(dict(ppp=ppp, us=t.us))
-                except Exception as e:
-                    row["sweep"].append(dict(ppp=ppp, error=f"{type(e).__name__}: {str(e)[:300]}"))
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         with open(a.out, "w") as f:
