@@ -14,6 +14,7 @@ from pallas_kernels.topk_select import sparse_topk_select, sparse_topk_select_re
 __all__ = [
     "PAGE_SIZE", "TOPK", "msa_index_scores", "msa_index_scores_reference",
     "sparse_topk_select", "sparse_topk_select_reference", "msa_index_select",
-    "msa_index_select_reference", "msa_index_select_default", "sparse_decode", "sparse_decode_reference",
-    "sparse_decode_default", "sparse_prefill", "sparse_prefill_reference",
+    "msa_index_select_reference", "msa_index_select_default", "sparse_decode",
+    "sparse_decode_reference", "sparse_decode_default", "sparse_prefill",
+    "sparse_prefill_reference",
 ]

@@ -4,12 +4,12 @@ Both compute :func:`pallas_kernels.index_select.msa_index_select` (same argument
 safety boundary and reference). The Mosaic GPU kernels
 (:mod:`pallas_kernels.index_select_mgpu`) are two launches with programmatic dependent
 launch; the Triton kernel (:mod:`pallas_kernels.index_select`) is one launch after a counter
-memset. fp8 index caches run on Triton: the Mosaic GPU kernels take e4m3 queries over an e4m3
-cache but have not been timed there yet. :func:`index_backend` picks Mosaic GPU for compiled calls
-whose dtype, head count, index dim and block-table width it supports and whose scores
-``T * H * P`` are at most :data:`MOSAIC_MAX_SCORES`, Triton otherwise (bench/RESULTS.md has
-the measurements behind the bound). Interpreted calls (a CPU backend) run the Triton kernel unless
-``backend`` names one.
+memset. :func:`index_backend` picks Mosaic GPU for compiled bf16/f16 calls whose head count,
+index dim and block-table width it supports and whose scores ``T * H * P`` are at most
+:data:`MOSAIC_MAX_SCORES`, Triton otherwise (bench/RESULTS.md has the measurements behind the
+bound). fp8 index caches run on Triton: the Mosaic GPU kernels take e4m3 queries over an e4m3
+cache but have not been timed there yet. Interpreted calls (a CPU backend) run the Triton
+kernel unless ``backend`` names one.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def index_backend(num_tokens: int, max_pages: int, num_heads: int, index_dim: in
                   k_dtype, *, interpreting: bool) -> str:
     """``"mosaic"`` or ``"triton"`` for a call of ``num_tokens`` tokens and ``num_heads`` index
     heads over a block table of ``max_pages`` columns (see the module docstring)."""
-    mosaic_ok = (jnp.dtype(q_dtype) in _MOSAIC_DTYPES and jnp.dtype(k_dtype) == jnp.dtype(q_dtype)
+    mosaic_ok = (jnp.dtype(q_dtype) in _MOSAIC_DTYPES
+                 and jnp.dtype(k_dtype) == jnp.dtype(q_dtype)
                  and num_heads <= MAX_HEADS and index_dim in HEAD_DIMS
                  and max_pages <= MAX_PAGES)
     if interpreting or not mosaic_ok or num_tokens * num_heads * max_pages > MOSAIC_MAX_SCORES:

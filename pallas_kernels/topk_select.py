@@ -65,8 +65,9 @@ def validate_selection(num_tokens: int, num_valid_pages, topk, local_blocks,
 
 def prepare_scores(x, ids, nvp, *, max_pages: int, topk: int, local_blocks: int,
                    init_blocks: int):
-    """The selector's input in a kernel or a reference (jnp ops only): masked/forced scores: -inf outside [0, n), +inf on forced blocks (every valid block
-    when n <= topk: the +inf ties then resolve to ids 0..n-1 by the id tie-break)."""
+    """The selector's input, in a kernel or a reference (jnp ops only): the scores with NaN as
+    -inf and -0 as +0, -inf outside [0, n), +inf on forced blocks (every valid block when
+    n <= topk: the +inf ties then resolve to ids 0..n-1 by the id tie-break)."""
     n = jnp.clip(nvp, 0, max_pages)
     valid = ids < n
     forced = valid & ((n <= topk) | (ids >= n - local_blocks) | (ids < init_blocks))
@@ -81,7 +82,7 @@ def select_rows(x, nvp, *, max_pages: int, topk: int, local_blocks: int, init_bl
     hs, pp = x.shape
     ids = lax.broadcasted_iota(jnp.int32, (hs, pp), 1)
     x = prepare_scores(x, ids, nvp, max_pages=max_pages, topk=topk, local_blocks=local_blocks,
-                 init_blocks=init_blocks)
+                       init_blocks=init_blocks)
     slot = lax.broadcasted_iota(jnp.int32, (hs, topk), 1)
 
     def pick(r, carry):
@@ -161,7 +162,7 @@ def sparse_topk_select_reference(scores: jax.Array, num_valid_pages: jax.Array, 
     t, h, p = scores.shape
     ids = jnp.arange(p, dtype=jnp.int32)[None, None, :]
     x = prepare_scores(scores, ids, num_valid_pages[:, None, None], max_pages=p, topk=topk,
-                 local_blocks=local_blocks, init_blocks=init_blocks)
+                       local_blocks=local_blocks, init_blocks=init_blocks)
     if p < topk:  # lax.top_k needs k <= P
         x = jnp.pad(x, ((0, 0), (0, 0), (0, topk - p)), constant_values=-jnp.inf)
     vals, idx = lax.top_k(x, topk)  # ties: smaller index first
