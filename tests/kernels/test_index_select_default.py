@@ -9,18 +9,18 @@ backend both kernels run interpreted, on the H200 compiled.
 from __future__ import annotations
 
 import chex
-import jax
 import jax.numpy as jnp
 import pytest
 
 from _helpers import fresh_seed
-from pallas_kernels import PAGE_SIZE, TOPK
+from pallas_kernels import TOPK
 from pallas_kernels._lowering import custom_call_counts, lower_for_cuda
 from pallas_kernels.index_select import (msa_index_select, msa_index_select_reference,
                                          num_valid_pages_of)
 from pallas_kernels.index_select_default import (MOSAIC_MAX_SCORES, index_backend,
                                                  msa_index_select_default)
 from test_index_scores import make_batch
+from test_index_select_mgpu import index_specs
 
 BF16, F16, FP8 = jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
 
@@ -42,13 +42,6 @@ def test_index_backend_rule(t, p, h, di, q_dtype, k_dtype, interpreting, want):
     assert index_backend(t, p, h, di, q_dtype, k_dtype, interpreting=interpreting) == want
 
 
-def _specs(t, h, context, dtype=BF16):
-    s = jax.ShapeDtypeStruct
-    p = context // PAGE_SIZE
-    return (s((t, h, 128), dtype), s((t * p + 1, PAGE_SIZE, 128), dtype), s((t, p), jnp.int32),
-            s((t,), jnp.int32), s((t,), jnp.int32))
-
-
 @pytest.mark.parametrize("t,h,context,want", [
     (1, 1, 8192, "mosaic"), (1, 4, 65536, "mosaic"), (16, 1, 8192, "mosaic"),
     (16, 4, 8192, "triton"), (128, 4, 65536, "triton"),
@@ -56,7 +49,7 @@ def _specs(t, h, context, dtype=BF16):
 def test_lowers_to_the_chosen_kernel_for_h200(t, h, context, want):
     """Compiled for an H200 (``interpret=None`` under an abstract H200 mesh), the call lowers
     to the chosen kernel's custom calls only: two Mosaic GPU ones, or one Triton one."""
-    text = lower_for_cuda(msa_index_select_default, *_specs(t, h, context))
+    text = lower_for_cuda(msa_index_select_default, *index_specs(t, h, context))
     counts = dict(mosaic=2, triton=0) if want == "mosaic" else dict(mosaic=0, triton=1)
     assert custom_call_counts(text) == dict(counts, other=0)
 

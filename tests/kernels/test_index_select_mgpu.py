@@ -91,7 +91,8 @@ def test_pages_past_the_position_are_never_read():
     chex.assert_trees_all_equal(got, msa_index_select_reference(q, k, tables[0], req, pos))
 
 
-def _specs(t, h, context, dtype=jnp.bfloat16, di=128):
+def index_specs(t, h, context, dtype=jnp.bfloat16, di=128):
+    """Abstract indexer arguments: T tokens of H heads, one request each at `context` keys."""
     s = jax.ShapeDtypeStruct
     p = context // PAGE_SIZE
     return (s((t, h, di), dtype), s((t * p + 1, PAGE_SIZE, di), dtype), s((t, p), jnp.int32),
@@ -106,7 +107,7 @@ def test_lowers_for_h200_as_two_kernels_with_pdl(t, h, context, dtype):
     """The benchmark shapes (bf16, and fp8 at L=64K) lower to exactly two Mosaic GPU custom
     calls (scores, select), both launched with programmatic dependent launch, and no other op
     that would be a kernel."""
-    text = lower_for_cuda(msa_index_select_mgpu, *_specs(t, h, context, dtype))
+    text = lower_for_cuda(msa_index_select_mgpu, *index_specs(t, h, context, dtype))
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 2 and all("@mosaic_gpu" in c for c in calls), calls
     for op in ("stablehlo.pad", "stablehlo.concatenate", "stablehlo.gather",
@@ -129,4 +130,4 @@ def test_rejects_unsupported_arguments(kw, match, exc):
     args = dict(t=2, h=4, context=8192)
     args.update(shape_kw)
     with pytest.raises(exc, match=match):
-        lower_for_cuda(msa_index_select_mgpu, *_specs(**args), **kw)
+        lower_for_cuda(msa_index_select_mgpu, *index_specs(**args), **kw)
