@@ -11,12 +11,13 @@ copy is issued) and takes ``S = Q K^T`` with wgmma. The causal mask keeps keys
 to an f32 scratch ``[T, H, Pp]`` (head-major, ``Pp`` a multiple of 128); pages at or past
 ``nvp`` score -inf, as in the Triton indexer (a given ``num_valid_pages`` may count them).
 
-Select kernel: grid ``(T, H)``, one warpgroup; CTA ``(t, h)`` loads head h's ``[Pp]`` scores
-(``Pp / 128`` per thread), applies the selector's rules (:mod:`pallas_kernels.topk_select`:
-forced local/init blocks, NaN as -inf, ties to the smaller id, -1 for fewer than 16 picks),
-maps them to int32 keys of the same order, and takes 16 rounds of (max key, smallest id with
-it), each a whole-warpgroup int32 reduction; it ranks the winners in ascending order and
-stores them.
+Select kernel: grid ``(T, H)``, one warpgroup; every warp of CTA ``(t, h)`` loads head h's
+whole ``[Pp]`` score row (``Pp / 32`` per lane), applies the selector's rules
+(:mod:`pallas_kernels.topk_select`: forced local/init blocks, NaN as -inf, ties to the smaller
+id, -1 for fewer than 16 picks), maps them to int32 keys of the same order, and takes 16 rounds
+of (max key, smallest id with it), each an int32 reduction inside the warp (the four warps
+compute the same picks, so no round waits on a cross-warp barrier); it ranks the winners in
+ascending order and stores them.
 
 Safety boundary: as :func:`pallas_kernels.index_scores.msa_index_scores` (request rows clamped
 to ``[0, R)``, page ids to ``[0, N)``, block-table columns below ``min(nvp, P)`` only) and the
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.experimental.mosaic.gpu as mgpu
 
 from pallas_kernels._interpret import mosaic_interpret_params
 from pallas_kernels._shapes import PAGE_SIZE, SMEM_BYTES, TOPK
@@ -50,7 +52,7 @@ from pallas_kernels.topk_select import prepare_scores, validate_selection
 
 ROWS = 64  # wgmma M: the dot's rows (row r holds query head r % H)
 MAX_HEADS = 8  # index heads per token (the scores kernel copies H scores per page)
-MAX_PAGES = 1024  # block-table columns: the select holds Pp / 128 <= 8 scores per thread
+MAX_PAGES = 1024  # block-table columns: the select holds Pp / 32 <= 32 scores per lane
 HEAD_DIMS = (64, 128)
 STAGES = (1, 2, 3)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float8_e4m3fn))
@@ -135,20 +137,27 @@ def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring,
     lax.fori_loop(0, ppp, store, 0)
 
 
-def _select_body(sc_ref, pos_ref, *refs, max_pages, padded_pages, local_blocks, init_blocks,
-                 nvp_given, pdl):
+def _row_layout():
+    """A ``[Pp]`` row (``Pp`` a multiple of 128) held whole by every warp of the warpgroup (lane
+    l: elements ``4l .. 4l + 3`` of each 128), so a reduction over it stays inside the warp:
+    one ``redux.sync`` and no cross-warp barrier."""
+    tiling = mgpu.fragmented_array.Tiling(((128,), (4,)))
+    return plgpu.Layout.TILED(tiling, warp_dims=(mgpu.fragmented_array.Replicated(4),),
+                              lane_dims=(-2,), vector_dim=-1)
+
+
+def _select_body(sc_ref, pos_ref, *refs, max_pages, local_blocks, init_blocks, nvp_given, pdl):
     if nvp_given:
         nvp_ref, o_ref, o_smem = refs
     else:
         o_ref, o_smem = refs
     t = lax.axis_index("t")
     h = lax.axis_index("h")
-    layout = plgpu.Layout.WG_STRIDED((padded_pages,), vec_size=padded_pages // 128)
     if pdl:  # launched early: wait for the scores kernel's writes
         plgpu.griddepcontrol_wait()
     nvp = nvp_ref[t] if nvp_given else num_valid_pages_of(pos_ref[t])
-    x = plgpu.load(sc_ref.at[t, h], layout=layout, optimized=False)
-    ids = plgpu.broadcasted_iota(jnp.int32, (padded_pages,), 0, layout=layout)
+    x = plgpu.load(sc_ref.at[t, h], layout=_row_layout(), optimized=False)
+    ids = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=_row_layout())
     x = prepare_scores(x, ids, nvp, max_pages=max_pages, topk=TOPK, local_blocks=local_blocks,
                        init_blocks=init_blocks)
     key = _ordered_key(x)
@@ -156,7 +165,8 @@ def _select_body(sc_ref, pos_ref, *refs, max_pages, padded_pages, local_blocks, 
     wins = []  # round r's pick, -1 once only -inf is left
     for _ in range(TOPK):
         m = key.max()
-        pick = jnp.where(key == m, ids, _NO_ID).min()
+        # The smallest id with the max key, as a max (int32 max is a redux.sync; min is not).
+        pick = _NO_ID - jnp.where(key == m, _NO_ID - ids, 0).max()
         wins.append(jnp.where(m > _NEG_INF_KEY, pick, -1))
         key = jnp.where(ids == pick, _TAKEN, key)
     if pdl:
@@ -227,7 +237,7 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     ns = min(3, ppp) if num_stages is None else num_stages
     _check(index_q, index_k_cache, block_table, ns, ppp)
     chunks = pl.cdiv(p, ppp)
-    padded = pl.cdiv(chunks * ppp, 128) * 128  # the select's row: 128 threads, equal shares
+    padded = pl.cdiv(chunks * ppp, 128) * 128  # the select's row: whole 128-element tiles
     ring_bytes = ns * PAGE_SIZE * di * index_q.dtype.itemsize
     if ring_bytes + ROWS * di * index_q.dtype.itemsize + ppp * ROWS * 4 > SMEM_BYTES:
         raise ValueError(f"msa_index_select_mgpu: num_stages {ns} needs more than "
@@ -248,8 +258,7 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     )(index_q, index_k_cache, block_table, req_indices, positions)
     args = [scores, positions] + ([] if num_valid_pages is None else [num_valid_pages])
     return plgpu.kernel(
-        functools.partial(_select_body, max_pages=p, padded_pages=padded,
-                          local_blocks=local_blocks, init_blocks=init_blocks,
+        functools.partial(_select_body, max_pages=p, local_blocks=local_blocks, init_blocks=init_blocks,
                           nvp_given=num_valid_pages is not None, pdl=pdl),
         out_type=jax.ShapeDtypeStruct((t, h, TOPK), jnp.int32),
         scratch_types=[plgpu.SMEM((128,), jnp.int32)],
