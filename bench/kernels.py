@@ -3,11 +3,11 @@
 Shapes (bench/_shapes_inputs.py): Hq/Hkv 16/1 and 64/4, B decode tokens in 1/16/64/128, every
 request at context L in 8192/65536; random bf16 data, random page permutation. Per shape, on
 the same device buffers (DLPack) in one process:
-  * indexer + select, bf16: ours `msa_index_select_default` (Mosaic GPU at B*Hkv*P <= 2048,
-    else Triton) vs vLLM's `minimax_m3_index_decode`;
+  * indexer + select, bf16: ours `msa_index_select_default` (Mosaic GPU at B <= 16, else
+    Triton) vs vLLM's `minimax_m3_index_decode`;
     bytes = the visible index-K rows, B*L*128*2;
-  * indexer + select, fp8 (ours on Triton): the same e4m3 index queries (bf16 rounded to
-    e4m3) over the same e4m3 index-K cache on both sides, an fp8 x fp8 dot on each;
+  * indexer + select, fp8 (ours the same default): the same e4m3 index queries (bf16 rounded
+    to e4m3) over the same e4m3 index-K cache on both sides, an fp8 x fp8 dot on each;
     bytes B*L*128 (on the L=65536 shapes unless --fp8 all);
   * sparse decode: ours `sparse_decode_default` (Mosaic GPU at T*Hkv <= 32, else Triton) vs
     vLLM's `minimax_m3_sparse_attn_decode`, both on OUR selection; bytes = K and V of 16

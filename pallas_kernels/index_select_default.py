@@ -4,11 +4,10 @@ Both compute :func:`pallas_kernels.index_select.msa_index_select` (same argument
 safety boundary and reference). The Mosaic GPU kernels
 (:mod:`pallas_kernels.index_select_mgpu`) are two launches with programmatic dependent
 launch; the Triton kernel (:mod:`pallas_kernels.index_select`) is one launch after a counter
-memset. :func:`index_backend` picks Mosaic GPU for compiled bf16/f16 calls whose head count,
-index dim and block-table width it supports and whose scores ``T * H * P`` are at most
-:data:`MOSAIC_MAX_SCORES`, Triton otherwise (bench/RESULTS.md has the measurements behind the
-bound). fp8 index caches run on Triton: the Mosaic GPU kernels take e4m3 queries over an e4m3
-cache but have not been timed there yet. Interpreted calls (a CPU backend) run the Triton
+memset. :func:`index_backend` picks Mosaic GPU for compiled calls of at most
+:data:`MOSAIC_MAX_TOKENS` tokens whose dtypes (bf16, f16, or e4m3 queries over an e4m3 cache),
+head count, index dim and block-table width it supports, Triton otherwise (bench/RESULTS.md
+has the measurements behind the bound). Interpreted calls (a CPU backend) run the Triton
 kernel unless ``backend`` names one.
 """
 from __future__ import annotations
@@ -21,23 +20,22 @@ import jax.numpy as jnp
 from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels.index_scores import validate_index_inputs
 from pallas_kernels.index_select import msa_index_select
-from pallas_kernels.index_select_mgpu import (HEAD_DIMS, MAX_HEADS, MAX_PAGES,
+from pallas_kernels.index_select_mgpu import (DTYPES, HEAD_DIMS, MAX_HEADS, MAX_PAGES,
                                               msa_index_select_mgpu)
 
-MOSAIC_MAX_SCORES = 2048  # T * H * P up to which the Mosaic GPU kernels are the default
+MOSAIC_MAX_TOKENS = 16  # tokens T up to which the Mosaic GPU kernels are the default
 BACKENDS = ("mosaic", "triton")
-_MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # timed; e4m3 not yet
 
 
 def index_backend(num_tokens: int, max_pages: int, num_heads: int, index_dim: int, q_dtype,
                   k_dtype, *, interpreting: bool) -> str:
     """``"mosaic"`` or ``"triton"`` for a call of ``num_tokens`` tokens and ``num_heads`` index
     heads over a block table of ``max_pages`` columns (see the module docstring)."""
-    mosaic_ok = (jnp.dtype(q_dtype) in _MOSAIC_DTYPES
+    mosaic_ok = (jnp.dtype(q_dtype) in DTYPES
                  and jnp.dtype(k_dtype) == jnp.dtype(q_dtype)
                  and num_heads <= MAX_HEADS and index_dim in HEAD_DIMS
                  and max_pages <= MAX_PAGES)
-    if interpreting or not mosaic_ok or num_tokens * num_heads * max_pages > MOSAIC_MAX_SCORES:
+    if interpreting or not mosaic_ok or num_tokens > MOSAIC_MAX_TOKENS:
         return "triton"
     return "mosaic"
 
@@ -67,4 +65,4 @@ def msa_index_select_default(index_q, index_k_cache, block_table, req_indices, p
                   local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)
 
 
-__all__ = ["msa_index_select_default", "index_backend", "MOSAIC_MAX_SCORES", "BACKENDS"]
+__all__ = ["msa_index_select_default", "index_backend", "MOSAIC_MAX_TOKENS", "BACKENDS"]

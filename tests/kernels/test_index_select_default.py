@@ -17,7 +17,7 @@ from pallas_kernels import TOPK
 from pallas_kernels._lowering import custom_call_counts, lower_for_cuda
 from pallas_kernels.index_select import (msa_index_select, msa_index_select_reference,
                                          num_valid_pages_of)
-from pallas_kernels.index_select_default import (MOSAIC_MAX_SCORES, index_backend,
+from pallas_kernels.index_select_default import (MOSAIC_MAX_TOKENS, index_backend,
                                                  msa_index_select_default)
 from test_index_scores import make_batch
 from test_index_select_mgpu import index_specs
@@ -28,11 +28,11 @@ BF16, F16, FP8 = jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
 @pytest.mark.parametrize("t,p,h,di,q_dtype,k_dtype,interpreting,want", [
     (1, 64, 1, 128, BF16, BF16, False, "mosaic"),
     (1, 512, 4, 128, F16, F16, False, "mosaic"),
-    (MOSAIC_MAX_SCORES // 64, 64, 1, 128, BF16, BF16, False, "mosaic"),
-    (MOSAIC_MAX_SCORES // 64 + 1, 64, 1, 128, BF16, BF16, False, "triton"),
-    (16, 64, 4, 128, BF16, BF16, False, "triton"),
-    (1, 512, 1, 128, BF16, FP8, False, "triton"),     # an fp8 index cache
-    (1, 512, 1, 128, FP8, FP8, False, "triton"),
+    (MOSAIC_MAX_TOKENS, 512, 4, 128, BF16, BF16, False, "mosaic"),
+    (MOSAIC_MAX_TOKENS + 1, 64, 1, 128, BF16, BF16, False, "triton"),
+    (1, 512, 1, 128, FP8, FP8, False, "mosaic"),      # e4m3 queries over an e4m3 cache
+    (64, 512, 1, 128, FP8, FP8, False, "triton"),
+    (1, 512, 1, 128, BF16, FP8, False, "triton"),     # bf16 queries over an e4m3 cache
     (1, 512, 16, 128, BF16, BF16, False, "triton"),   # more than 8 index heads
     (1, 512, 1, 96, BF16, BF16, False, "triton"),     # index dims 64 and 128 only
     (1, 2048, 1, 128, BF16, BF16, False, "triton"),   # over 1024 block-table columns
@@ -42,14 +42,14 @@ def test_index_backend_rule(t, p, h, di, q_dtype, k_dtype, interpreting, want):
     assert index_backend(t, p, h, di, q_dtype, k_dtype, interpreting=interpreting) == want
 
 
-@pytest.mark.parametrize("t,h,context,want", [
-    (1, 1, 8192, "mosaic"), (1, 4, 65536, "mosaic"), (16, 1, 8192, "mosaic"),
-    (16, 4, 8192, "triton"), (128, 4, 65536, "triton"),
+@pytest.mark.parametrize("t,h,context,dtype,want", [
+    (1, 1, 8192, BF16, "mosaic"), (1, 4, 65536, BF16, "mosaic"), (16, 4, 65536, BF16, "mosaic"),
+    (16, 1, 65536, FP8, "mosaic"), (64, 1, 8192, BF16, "triton"), (128, 4, 65536, FP8, "triton"),
 ])
-def test_lowers_to_the_chosen_kernel_for_h200(t, h, context, want):
+def test_lowers_to_the_chosen_kernel_for_h200(t, h, context, dtype, want):
     """Compiled for an H200 (``interpret=None`` under an abstract H200 mesh), the call lowers
     to the chosen kernel's custom calls only: two Mosaic GPU ones, or one Triton one."""
-    text = lower_for_cuda(msa_index_select_default, *index_specs(t, h, context))
+    text = lower_for_cuda(msa_index_select_default, *index_specs(t, h, context, dtype))
     counts = dict(mosaic=2, triton=0) if want == "mosaic" else dict(mosaic=0, triton=1)
     assert custom_call_counts(text) == dict(counts, other=0)
 
