@@ -6,10 +6,13 @@ For each shape: whether the selections agree (as sets per row; they are computed
 same f32 scores, so they should be identical), the XLA kernel count of each op, and the
 cold-L2 time of each (``_common.time_jax``: one executable of (512 MiB flush; op) dispatched
 ``--reps`` times minus the flush-only executable, median of ``--trials``). ``--ppp`` adds a
-Mosaic variant per pages-per-CTA value; ``--sweep`` is ``--ppp 1,2,4,8,16``.
+Mosaic variant per pages-per-CTA value; ``--sweep`` is ``--ppp 1,2,4,8,16``. ``--parts`` times
+the two halves on their own instead (the DCP path's calls): the scores (``msa_index_scores``
+against ``msa_index_scores_mgpu``, their largest difference) and the select over the same f32
+scores (``sparse_topk_select`` against ``sparse_topk_select_mgpu``, agreement).
 
 Usage (GPU machine): python3 bench/index_select_mgpu.py --out FILE.json [--shapes 0,1,8]
-  [--sweep] [--ppp 1,2] [--fp8] [--reps 100] [--trials 3]
+  [--sweep] [--ppp 1,2] [--fp8] [--parts] [--reps 100] [--trials 3]
 """
 from __future__ import annotations
 
@@ -24,8 +27,11 @@ import _common  # noqa: F401  (preamble: repository on sys.path, one warning fil
 import jax  # noqa: E402
 from _common import hlo_kernel_count, positive_int, time_jax  # noqa: E402
 from _shapes_inputs import all_shapes, make_inputs  # noqa: E402
-from pallas_kernels.index_select import msa_index_select  # noqa: E402
-from pallas_kernels.index_select_mgpu import msa_index_select_mgpu  # noqa: E402
+from pallas_kernels.index_scores import msa_index_scores  # noqa: E402
+from pallas_kernels.index_select import msa_index_select, num_valid_pages_of  # noqa: E402
+from pallas_kernels.index_select_mgpu import (msa_index_scores_mgpu,  # noqa: E402
+                                              msa_index_select_mgpu, sparse_topk_select_mgpu)
+from pallas_kernels.topk_select import sparse_topk_select  # noqa: E402
 
 ARGS = ("index_q", "index_k", "block_table", "req_indices", "positions")
 FP8 = jax.numpy.float8_e4m3fn
@@ -41,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ppp", default="", help="more Mosaic variants: pages per CTA, e.g. 1,2")
     ap.add_argument("--fp8", action="store_true",
                     help="e4m3 index queries over an e4m3 index-K cache on both kernels")
+    ap.add_argument("--parts", action="store_true",
+                    help="time the scores and the select on their own (each backend)")
     a = ap.parse_args(argv)
     shapes = all_shapes()
     if a.shapes:
@@ -60,6 +68,13 @@ def main(argv=None) -> int:
             x = dict(x, index_q=x["index_q"].astype(FP8), index_k=x["index_k"].astype(FP8))
         args = tuple(x[k] for k in ARGS)
         row = dict(shape=shape.name)
+        if a.parts:
+            row.update(time_parts(args, a.reps, a.trials))
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=1)
+            continue
         outs = {}
         for name, fn in variants.items():
             try:
@@ -77,6 +92,28 @@ def main(argv=None) -> int:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def time_parts(args: tuple, reps: int, trials: int) -> dict:
+    """The scores and the select on their own, each backend: times, kernel counts, and the
+    scores' largest difference / the selections' agreement (share of identical rows)."""
+    row, scores = {}, {}
+
+    def run(name, fn, fn_args):
+        row[f"{name}_kernels"] = hlo_kernel_count(
+            jax.jit(fn).lower(*fn_args).compile().as_text())["total"]
+        row[name] = time_jax(fn, fn_args, n=reps, trials=trials, l2="cold").as_dict()
+        return np.asarray(jax.jit(fn)(*fn_args))
+
+    for name, fn in (("triton_scores", msa_index_scores), ("mgpu_scores", msa_index_scores_mgpu)):
+        scores[name] = run(name, fn, args)
+    a, b = scores.values()
+    row["scores_max_abs_diff"] = float(np.max(np.abs(np.where(np.isfinite(a), a - b, 0.0))))
+    sel_args = (jax.numpy.asarray(scores["triton_scores"]), num_valid_pages_of(args[-1]))
+    picks = {name: run(name, fn, sel_args) for name, fn in (
+        ("triton_select", sparse_topk_select), ("mgpu_select", sparse_topk_select_mgpu))}
+    row["select_agree"] = float(np.mean(np.all(picks["triton_select"] == picks["mgpu_select"], -1)))
+    return row
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
-"""MSA indexer and top-16 page select on the Pallas Mosaic GPU backend (Hopper): the result of
-:func:`pallas_kernels.index_select.msa_index_select` in two launches, both with programmatic
-dependent launch (PDL), so the select's launch overlaps the scores kernel.
+"""MSA indexer and top-16 page select on the Pallas Mosaic GPU backend (Hopper): a scores
+kernel and a select kernel, both launched with programmatic dependent launch (PDL), so the
+select's launch overlaps the scores kernel. Three entry points, each with the arguments,
+results and safety boundary of its Triton counterpart: :func:`msa_index_select_mgpu` (both
+kernels: :func:`pallas_kernels.index_select.msa_index_select`), :func:`msa_index_scores_mgpu`
+(the scores alone: :func:`pallas_kernels.index_scores.msa_index_scores`) and
+:func:`sparse_topk_select_mgpu` (the select alone:
+:func:`pallas_kernels.topk_select.sparse_topk_select`).
 
 Scores kernel: grid ``(T, C)``, one warpgroup per CTA; CTA ``(t, c)`` owns the pages
 ``[c * ppp, (c + 1) * ppp)`` of token t below its ``nvp = positions // 128 + 1``. It builds the
@@ -8,8 +13,9 @@ dot's 64 rows from the token's H query rows (row r holds head ``r % H``), stream
 pages through a TMA ring (the page id a dynamic coordinate, read from the block table when the
 copy is issued) and takes ``S = Q K^T`` with wgmma. The causal mask keeps keys
 ``b * 128 + i <= position``; the block score of head h is row h's max. The chunk's scores go
-to an f32 scratch ``[T, H, Pp]`` (head-major, ``Pp`` a multiple of 128); pages at or past
-``nvp`` score -inf, as in the Triton indexer (a given ``num_valid_pages`` may count them).
+to f32 ``[T, H, width]`` (head-major; for the select ``width`` is a multiple of 128, alone it is
+P); pages at or past ``nvp`` score -inf, as in the Triton indexer (a given
+``num_valid_pages`` may count them).
 
 Select kernel: grid ``(T, H)``, one warpgroup; every warp of CTA ``(t, h)`` loads head h's
 whole ``[Pp]`` score row (``Pp / 32`` per lane), applies the selector's rules
@@ -31,7 +37,8 @@ Shapes / dtypes:
   req_indices      [T]          int32
   positions        [T]          int32
   num_valid_pages  [T]          int32 (optional; default positions // 128 + 1)
-  result           [T, H, 16]   int32
+  result           [T, H, 16]   int32 (the scores alone: [T, H, P] f32)
+  scores           [T, H, P]    f32, P <= 1024 (the select alone's input)
 """
 from __future__ import annotations
 
@@ -48,7 +55,7 @@ from pallas_kernels._interpret import mosaic_interpret_params
 from pallas_kernels._shapes import PAGE_SIZE, SMEM_BYTES, TOPK
 from pallas_kernels.index_scores import default_pages_per_program, validate_index_inputs
 from pallas_kernels.index_select import num_valid_pages_of
-from pallas_kernels.topk_select import prepare_scores, validate_selection
+from pallas_kernels.topk_select import prepare_scores, validate_scores, validate_selection
 
 ROWS = 64  # wgmma M: the dot's rows (row r holds query head r % H)
 MAX_HEADS = 8  # index heads per token (the scores kernel copies H scores per page)
@@ -71,6 +78,7 @@ def _smem_tiling(dtype, di: int) -> tuple:
 
 def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring, sc_smem, kbar,
                  *, num_heads, ppp, num_stages, num_pages, num_rows, max_pages, dtype, pdl):
+    width = sc_ref.shape[-1]
     t = lax.axis_index("t")
     c = lax.axis_index("c")
     ns = num_stages
@@ -130,8 +138,14 @@ def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring,
     plgpu.commit_smem()  # every thread's rows, before the scalar reads below
 
     def store(j, _):  # head-major, so the select reads each head's row contiguously
-        for hh in range(num_heads):
-            sc_ref[t, hh, start + j] = sc_smem[j, hh]
+        def write():
+            for hh in range(num_heads):
+                sc_ref[t, hh, start + j] = sc_smem[j, hh]
+
+        if pl.cdiv(max_pages, ppp) * ppp > width:  # the last chunk reaches past the output
+            pl.when(start + j < width)(write)
+        else:
+            write()
         return 0
 
     lax.fori_loop(0, ppp, store, 0)
@@ -146,16 +160,13 @@ def _row_layout():
                               lane_dims=(-2,), vector_dim=-1)
 
 
-def _select_body(sc_ref, pos_ref, *refs, max_pages, local_blocks, init_blocks, nvp_given, pdl):
-    if nvp_given:
-        nvp_ref, o_ref, o_smem = refs
-    else:
-        o_ref, o_smem = refs
+def _select_body(sc_ref, count_ref, o_ref, o_smem, *, max_pages, local_blocks, init_blocks,
+                 counts_are_positions, pdl):
     t = lax.axis_index("t")
     h = lax.axis_index("h")
-    if pdl:  # launched early: wait for the scores kernel's writes
+    if pdl:  # launched early: wait for the previous kernel's writes
         plgpu.griddepcontrol_wait()
-    nvp = nvp_ref[t] if nvp_given else num_valid_pages_of(pos_ref[t])
+    nvp = num_valid_pages_of(count_ref[t]) if counts_are_positions else count_ref[t]
     x = plgpu.load(sc_ref.at[t, h], layout=_row_layout(), optimized=False)
     ids = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=_row_layout())
     x = prepare_scores(x, ids, nvp, max_pages=max_pages, topk=TOPK, local_blocks=local_blocks,
@@ -194,9 +205,8 @@ def _ordered_key(x):
     return jnp.where(bits < 0, jnp.int32(2 ** 31 - 1) - bits, bits)
 
 
-def _check(index_q, index_k_cache, block_table, num_stages, ppp):
-    """The Mosaic GPU kernels' own bounds (ValueError / TypeError naming the argument)."""
-    name = "msa_index_select_mgpu"
+def _check_scores(name, index_q, index_k_cache, block_table, num_stages, ppp):
+    """The scores kernel's own bounds (ValueError / TypeError naming the argument)."""
     t, h, di = index_q.shape
     if jnp.dtype(index_q.dtype) not in DTYPES or index_k_cache.dtype != index_q.dtype:
         raise TypeError(f"{name}: index_q and index_k_cache must both be bf16, both f16 or both "
@@ -205,13 +215,111 @@ def _check(index_q, index_k_cache, block_table, num_stages, ppp):
         raise ValueError(f"{name}: index heads H = {h} exceeds {MAX_HEADS}")
     if di not in HEAD_DIMS:
         raise ValueError(f"{name}: Di must be one of {HEAD_DIMS}, got {di}")
-    if block_table.shape[1] > MAX_PAGES:
-        raise ValueError(f"{name}: block_table has {block_table.shape[1]} columns; the select "
-                         f"holds at most {MAX_PAGES}")
     if num_stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {num_stages}")
     if not 1 <= ppp <= 64:
         raise ValueError(f"{name}: pages_per_program must be in [1, 64], got {ppp}")
+    ring_bytes = num_stages * PAGE_SIZE * di * index_q.dtype.itemsize
+    if ring_bytes + ROWS * di * index_q.dtype.itemsize + ppp * ROWS * 4 > SMEM_BYTES:
+        raise ValueError(f"{name}: num_stages {num_stages} needs more than {SMEM_BYTES} bytes "
+                         f"of shared memory")
+
+
+def _check_pages(name, max_pages):
+    if max_pages > MAX_PAGES:
+        raise ValueError(f"{name}: {max_pages} pages per row; the select holds at most "
+                         f"{MAX_PAGES}")
+
+
+def _scores(index_q, index_k_cache, block_table, req_indices, positions, *, width, ppp,
+            num_stages, params, pdl):
+    """The scores kernel: f32 ``[T, H, width]``, ``width >= min(P, ceil(P / ppp) * ppp)``;
+    columns ``>= P`` below ``ceil(P / ppp) * ppp`` hold -inf, later ones are not written."""
+    t, h, di = index_q.shape
+    r, p = block_table.shape
+    tiling = _smem_tiling(index_q.dtype, di)
+    return plgpu.kernel(
+        functools.partial(_scores_body, num_heads=h, ppp=ppp, num_stages=num_stages,
+                          num_pages=index_k_cache.shape[0], num_rows=r, max_pages=p,
+                          dtype=index_q.dtype, pdl=pdl),
+        out_type=jax.ShapeDtypeStruct((t, h, width), jnp.float32),
+        scratch_types=[plgpu.SMEM((ROWS, di), index_q.dtype, transforms=tiling),
+                       plgpu.SMEM((num_stages, PAGE_SIZE, di), index_q.dtype, transforms=tiling),
+                       plgpu.SMEM((ppp, ROWS), jnp.float32),
+                       plgpu.Barrier(num_barriers=num_stages)],
+        grid=(t, pl.cdiv(p, ppp)), grid_names=("t", "c"), interpret=params,
+        kernel_name="msa_index_scores_mgpu",
+    )(index_q, index_k_cache, block_table, req_indices, positions)
+
+
+def _select(scores, counts, *, max_pages, local_blocks, init_blocks, counts_are_positions,
+            params, pdl):
+    """The select kernel over f32 ``scores [T, H, Pp]`` (``Pp`` a multiple of 128, columns
+    ``>= max_pages`` ignored) and int32 ``counts [T]`` (positions, or num_valid_pages)."""
+    t, h, _ = scores.shape
+    return plgpu.kernel(
+        functools.partial(_select_body, max_pages=max_pages, local_blocks=local_blocks,
+                          init_blocks=init_blocks, counts_are_positions=counts_are_positions,
+                          pdl=pdl),
+        out_type=jax.ShapeDtypeStruct((t, h, TOPK), jnp.int32),
+        scratch_types=[plgpu.SMEM((128,), jnp.int32)],
+        grid=(t, h), grid_names=("t", "h"), interpret=params, kernel_name="msa_topk_select_mgpu",
+    )(scores, counts)
+
+
+def _launch(pages_per_program, num_stages, num_tokens, max_pages, interpret, pdl):
+    """(ppp, stages, interpret params, pdl) of a call: None picks the defaults."""
+    ppp = (default_pages_per_program(num_tokens, max_pages) if pages_per_program is None
+           else pages_per_program)
+    ns = min(3, ppp) if num_stages is None else num_stages
+    params = mosaic_interpret_params(interpret)
+    return ppp, ns, params, bool(pdl) and params is None
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "pages_per_program", "num_stages",
+                                             "pdl"))
+def msa_index_scores_mgpu(index_q, index_k_cache, block_table, req_indices, positions, *,
+                          interpret=None, pages_per_program=None, num_stages=None, pdl=True):
+    """Block scores ``[T, H, P]`` f32, as :func:`pallas_kernels.index_scores.msa_index_scores`
+    (same arguments, results and safety boundary), with the Mosaic GPU scores kernel.
+
+    ``pages_per_program``, ``num_stages``, ``pdl``, ``interpret``: as
+    :func:`msa_index_select_mgpu`.
+    """
+    validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
+    p = block_table.shape[1]
+    ppp, ns, params, pdl = _launch(pages_per_program, num_stages, index_q.shape[0], p,
+                                   interpret, pdl)
+    _check_scores("msa_index_scores_mgpu", index_q, index_k_cache, block_table, ns, ppp)
+    return _scores(index_q, index_k_cache, block_table, req_indices, positions, width=p,
+                   ppp=ppp, num_stages=ns, params=params, pdl=pdl)
+
+
+@functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks", "interpret",
+                                             "pdl", "counts_are_positions"))
+def sparse_topk_select_mgpu(scores, num_valid_pages, *, topk=TOPK, local_blocks=1,
+                            init_blocks=0, interpret=None, pdl=True, counts_are_positions=False):
+    """Selected block ids ``[T, H, 16]`` int32, as
+    :func:`pallas_kernels.topk_select.sparse_topk_select` (same arguments, rules and results:
+    ``scores [T, H, P]`` f32, ``P <= 1024``; ``num_valid_pages [T]`` int32), with the Mosaic GPU
+    select kernel; ``topk`` must be 16. A row whose P is not a multiple of 128 is padded in XLA
+    first. ``counts_are_positions``: the second argument holds the tokens' positions and the
+    kernel counts ``positions // 128 + 1`` pages itself (no launch for the count). ``pdl``,
+    ``interpret``: as :func:`msa_index_select_mgpu`.
+    """
+    validate_scores(scores, num_valid_pages, topk, local_blocks, init_blocks)
+    name = "sparse_topk_select_mgpu"
+    if topk != TOPK:
+        raise ValueError(f"{name}: topk must be {TOPK}, got {topk}")
+    p = scores.shape[-1]
+    _check_pages(name, p)
+    padded = pl.cdiv(p, 128) * 128
+    if padded != p:
+        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, padded - p)), constant_values=-jnp.inf)
+    params = mosaic_interpret_params(interpret)
+    return _select(scores, num_valid_pages, max_pages=p, local_blocks=local_blocks,
+                   init_blocks=init_blocks, counts_are_positions=counts_are_positions,
+                   params=params, pdl=bool(pdl) and params is None)
 
 
 @functools.partial(jax.jit, static_argnames=("local_blocks", "init_blocks", "interpret",
@@ -221,7 +329,7 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
                           interpret=None, pages_per_program=None, num_stages=None, pdl=True):
     """Selected block ids ``[T, H, 16]`` int32, as
     :func:`pallas_kernels.index_select.msa_index_select` (same arguments, results and safety
-    boundary), with two Mosaic GPU kernels.
+    boundary), with the two Mosaic GPU kernels.
 
     ``pages_per_program``: pages per scores CTA in [1, 64] (None: the Triton indexer's default).
     ``num_stages``: TMA ring depth in {1, 2, 3} (None: min(3, pages)). ``pdl``: programmatic
@@ -229,41 +337,21 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     interprets unless the trace targets a GPU.
     """
     validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
-    t, h, di = index_q.shape
+    t = index_q.shape[0]
     validate_selection(t, num_valid_pages, TOPK, local_blocks, init_blocks)
-    n = index_k_cache.shape[0]
-    r, p = block_table.shape
-    ppp = default_pages_per_program(t, p) if pages_per_program is None else pages_per_program
-    ns = min(3, ppp) if num_stages is None else num_stages
-    _check(index_q, index_k_cache, block_table, ns, ppp)
-    chunks = pl.cdiv(p, ppp)
-    padded = pl.cdiv(chunks * ppp, 128) * 128  # the select's row: whole 128-element tiles
-    ring_bytes = ns * PAGE_SIZE * di * index_q.dtype.itemsize
-    if ring_bytes + ROWS * di * index_q.dtype.itemsize + ppp * ROWS * 4 > SMEM_BYTES:
-        raise ValueError(f"msa_index_select_mgpu: num_stages {ns} needs more than "
-                         f"{SMEM_BYTES} bytes of shared memory")
-    tiling = _smem_tiling(index_q.dtype, di)
-    params = mosaic_interpret_params(interpret)
-    pdl = bool(pdl) and params is None
-    scores = plgpu.kernel(
-        functools.partial(_scores_body, num_heads=h, ppp=ppp, num_stages=ns, num_pages=n,
-                          num_rows=r, max_pages=p, dtype=index_q.dtype, pdl=pdl),
-        out_type=jax.ShapeDtypeStruct((t, h, padded), jnp.float32),
-        scratch_types=[plgpu.SMEM((ROWS, di), index_q.dtype, transforms=tiling),
-                       plgpu.SMEM((ns, PAGE_SIZE, di), index_q.dtype, transforms=tiling),
-                       plgpu.SMEM((ppp, ROWS), jnp.float32),
-                       plgpu.Barrier(num_barriers=ns)],
-        grid=(t, chunks), grid_names=("t", "c"), interpret=params,
-        kernel_name="msa_index_scores_mgpu",
-    )(index_q, index_k_cache, block_table, req_indices, positions)
-    args = [scores, positions] + ([] if num_valid_pages is None else [num_valid_pages])
-    return plgpu.kernel(
-        functools.partial(_select_body, max_pages=p, local_blocks=local_blocks, init_blocks=init_blocks,
-                          nvp_given=num_valid_pages is not None, pdl=pdl),
-        out_type=jax.ShapeDtypeStruct((t, h, TOPK), jnp.int32),
-        scratch_types=[plgpu.SMEM((128,), jnp.int32)],
-        grid=(t, h), grid_names=("t", "h"), interpret=params, kernel_name="msa_topk_select_mgpu",
-    )(*args)
+    p = block_table.shape[1]
+    ppp, ns, params, pdl = _launch(pages_per_program, num_stages, t, p, interpret, pdl)
+    name = "msa_index_select_mgpu"
+    _check_scores(name, index_q, index_k_cache, block_table, ns, ppp)
+    _check_pages(name, p)
+    width = pl.cdiv(pl.cdiv(p, ppp) * ppp, 128) * 128  # the select's row: whole 128-tiles
+    scores = _scores(index_q, index_k_cache, block_table, req_indices, positions, width=width,
+                     ppp=ppp, num_stages=ns, params=params, pdl=pdl)
+    given = num_valid_pages is not None
+    return _select(scores, num_valid_pages if given else positions, max_pages=p,
+                   local_blocks=local_blocks, init_blocks=init_blocks,
+                   counts_are_positions=not given, params=params, pdl=pdl)
 
 
-__all__ = ["msa_index_select_mgpu", "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES", "DTYPES"]
+__all__ = ["msa_index_scores_mgpu", "sparse_topk_select_mgpu", "msa_index_select_mgpu",
+           "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES", "DTYPES"]

@@ -34,7 +34,7 @@ from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._shapes import TOPK, is_pow2, next_pow2
 
 
-def _validate(scores, num_valid_pages, topk, local_blocks, init_blocks) -> None:
+def validate_scores(scores, num_valid_pages, topk, local_blocks, init_blocks) -> None:
     """Raises ValueError / TypeError naming the offending argument and the bound."""
     if scores.ndim != 3 or min(scores.shape) < 1:
         raise ValueError(f"scores: expected shape [T >= 1, H >= 1, P >= 1], got {scores.shape}")
@@ -129,7 +129,7 @@ def sparse_topk_select(scores: jax.Array, num_valid_pages: jax.Array, *, topk: i
     `interpret`: Pallas interpret mode; None (default) interprets on every backend but a GPU.
     Tunable (static): `num_warps`.
     """
-    _validate(scores, num_valid_pages, topk, local_blocks, init_blocks)
+    validate_scores(scores, num_valid_pages, topk, local_blocks, init_blocks)
     if num_warps < 1 or not is_pow2(num_warps):
         raise ValueError(f"num_warps: must be a power of two >= 1, got {num_warps}")
     t, h, p = scores.shape
@@ -158,7 +158,7 @@ def sparse_topk_select_reference(scores: jax.Array, num_valid_pages: jax.Array, 
                                  topk: int = TOPK, local_blocks: int = 1,
                                  init_blocks: int = 0) -> jax.Array:
     """Pure jnp reference of `sparse_topk_select` (lax.top_k + sort)."""
-    _validate(scores, num_valid_pages, topk, local_blocks, init_blocks)
+    validate_scores(scores, num_valid_pages, topk, local_blocks, init_blocks)
     t, h, p = scores.shape
     ids = jnp.arange(p, dtype=jnp.int32)[None, None, :]
     x = prepare_scores(scores, ids, num_valid_pages[:, None, None], max_pages=p, topk=topk,

@@ -21,10 +21,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels._interpret import resolve_interpret
-from pallas_kernels._lowering import lower_for_cuda
+from pallas_kernels._lowering import custom_call_counts, lower_for_cuda
+from pallas_kernels.index_scores import msa_index_scores_reference
 from pallas_kernels.index_select import msa_index_select_reference, num_valid_pages_of
-from pallas_kernels.index_select_mgpu import msa_index_select_mgpu
-from test_index_scores import MAX_PAGES, make_batch
+from pallas_kernels.index_select_mgpu import (msa_index_scores_mgpu, msa_index_select_mgpu,
+                                              sparse_topk_select_mgpu)
+from pallas_kernels.topk_select import sparse_topk_select_reference
+from test_index_scores import MAX_PAGES, check_scores, make_batch
 from test_topk_select import check_structure
 
 ZERO_FILLED = (plgpu.InterpretGPUParams(uninitialized_memory="zero")
@@ -91,6 +94,45 @@ def test_pages_past_the_position_are_never_read():
     chex.assert_trees_all_equal(got, msa_index_select_reference(q, k, tables[0], req, pos))
 
 
+@pytest.mark.parametrize("dtype,num_heads,index_dim,pages_per_program", [
+    (jnp.bfloat16, 4, 128, 3),       # the last chunk reaches past P: those stores are skipped
+    (jnp.float16, 3, 64, None),
+    (jnp.float8_e4m3fn, 2, 128, 5),  # e4m3 queries over an e4m3 cache
+])
+def test_scores_alone_match_reference(dtype, num_heads, index_dim, pages_per_program):
+    """msa_index_scores_mgpu: [T, H, P] scores, -inf exactly past each token's last block, the
+    poison page never read (it would score far from any real page)."""
+    q, k, bt, req, pos = make_batch(fresh_seed(), dtype, num_heads, index_dim)
+    got = msa_index_scores_mgpu(q, k, bt, req, pos, pages_per_program=pages_per_program,
+                                interpret=ZERO_FILLED)
+    fp8_on_gpu = dtype == jnp.float8_e4m3fn and not resolve_interpret(None)
+    check_scores(got, msa_index_scores_reference(q, k, bt, req, pos), pos, num_heads,
+                 atol=5e-2 if fp8_on_gpu else 1e-3)
+
+
+@pytest.mark.parametrize("num_heads,num_pages,local_blocks,init_blocks", [
+    (4, 40, 1, 0), (1, 128, 2, 1), (2, 200, 0, 0), (3, 1024, 1, 0)])
+def test_select_alone_matches_reference(num_heads, num_pages, local_blocks, init_blocks):
+    """sparse_topk_select_mgpu on random scores with ties, -0.0, -inf and NaN entries, counts
+    below 16, past P and negative; rows of P not a multiple of 128 are padded first."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    t = 8
+    scores = rng.standard_normal((t, num_heads, num_pages)).astype(np.float32)
+    scores[0] = np.round(scores[0])  # many ties
+    scores[1, :, ::3] = -np.inf
+    scores[2, 0, 5], scores[2, -1, 7] = np.nan, -0.0
+    nvp = rng.integers(17, num_pages + 1, t)
+    nvp[3:6] = -3, 9, num_pages + 9
+    scores, nvp = jnp.asarray(scores), jnp.asarray(nvp, jnp.int32)
+    kw = dict(local_blocks=local_blocks, init_blocks=init_blocks)
+    got = sparse_topk_select_mgpu(scores, nvp, **kw)
+    chex.assert_shape(got, (t, num_heads, TOPK))
+    chex.assert_trees_all_equal(got, sparse_topk_select_reference(scores, nvp, **kw),
+                                custom_message=f"seed {seed}")
+    check_structure(np.asarray(got), np.asarray(nvp), num_pages)
+
+
 def index_specs(t, h, context, dtype=jnp.bfloat16, di=128):
     """Abstract indexer arguments: T tokens of H heads, one request each at `context` keys."""
     s = jax.ShapeDtypeStruct
@@ -115,6 +157,34 @@ def test_lowers_for_h200_as_two_kernels_with_pdl(t, h, context, dtype):
         assert op not in text, op
     for marker in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
         assert text.count(marker) >= 2, marker
+
+
+@pytest.mark.parametrize("t,h,context,dtype", [(1, 1, 65536, jnp.bfloat16),
+                                             (16, 4, 8192, jnp.float8_e4m3fn)])
+def test_scores_and_select_alone_lower_as_one_kernel_each(t, h, context, dtype):
+    """The two halves on their own: one Mosaic GPU custom call each, launched with PDL; the
+    select of a P that is not a multiple of 128 adds only its pad."""
+    specs = index_specs(t, h, context, dtype)
+    scores = jax.ShapeDtypeStruct((t, h, context // PAGE_SIZE - 8), jnp.float32)
+    counts = jax.ShapeDtypeStruct((t,), jnp.int32)
+    for text in (lower_for_cuda(msa_index_scores_mgpu, *specs),
+                 lower_for_cuda(sparse_topk_select_mgpu, scores, counts)):
+        assert custom_call_counts(text) == dict(mosaic=1, triton=0, other=0)
+        for marker in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+            assert marker in text, marker
+
+
+def test_select_alone_rejects_unsupported_arguments():
+    scores = jax.ShapeDtypeStruct((2, 1, 64), jnp.float32)
+    counts = jax.ShapeDtypeStruct((2,), jnp.int32)
+    with pytest.raises(ValueError, match="topk must be 16"):
+        lower_for_cuda(sparse_topk_select_mgpu, scores, counts, topk=8, local_blocks=1)
+    with pytest.raises(ValueError, match="at most 1024"):
+        lower_for_cuda(sparse_topk_select_mgpu, jax.ShapeDtypeStruct((2, 1, 2048), jnp.float32),
+                       counts)
+    with pytest.raises(TypeError, match="scores: dtype must be float32"):
+        lower_for_cuda(sparse_topk_select_mgpu, jax.ShapeDtypeStruct((2, 1, 64), jnp.bfloat16),
+                       counts)
 
 
 @pytest.mark.parametrize("kw,match,exc", [
