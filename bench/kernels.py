@@ -3,8 +3,9 @@
 Shapes (bench/_shapes_inputs.py): Hq/Hkv 16/1 and 64/4, B decode tokens in 1/16/64/128, every
 request at context L in 8192/65536; random bf16 data, random page permutation. Per shape, on
 the same device buffers (DLPack) in one process:
-  * indexer + select, bf16: ours `msa_index_select_default` (Mosaic GPU at B <= 16, else
-    Triton) vs vLLM's `minimax_m3_index_decode`;
+  * indexer + select, bf16: ours `msa_index_select_default` (Mosaic GPU at B <= 16, the
+    Triton scores + the Mosaic select at B=16 L=65536, Triton above) vs vLLM's
+    `minimax_m3_index_decode`;
     bytes = the visible index-K rows, B*L*128*2;
   * indexer + select, fp8 (ours the same default): the same e4m3 index queries (bf16 rounded
     to e4m3) over the same e4m3 index-K cache on both sides, an fp8 x fp8 dot on each;

@@ -1,14 +1,23 @@
-"""The default indexer + top-16 select: which of the two kernels runs a call.
+"""The default indexer kernels: which kernel runs each call of the indexer, its scores alone
+(the DCP path) and the select alone.
 
-Both compute :func:`pallas_kernels.index_select.msa_index_select` (same arguments, results,
-safety boundary and reference). The Mosaic GPU kernels
-(:mod:`pallas_kernels.index_select_mgpu`) are two launches with programmatic dependent
-launch; the Triton kernel (:mod:`pallas_kernels.index_select`) is one launch after a counter
-memset. :func:`index_backend` picks Mosaic GPU for compiled calls of at most
-:data:`MOSAIC_MAX_TOKENS` tokens whose dtypes (bf16, f16, or e4m3 queries over an e4m3 cache),
-head count, index dim and block-table width it supports, Triton otherwise (bench/RESULTS.md
-has the measurements behind the bound). Interpreted calls (a CPU backend) run the Triton
-kernel unless ``backend`` names one.
+Each default computes the same thing as its Triton kernel (same arguments, results, safety
+boundary and reference); bench/RESULTS.md has the H200 measurements behind each rule. A rule
+picks a Mosaic GPU kernel (:mod:`pallas_kernels.index_select_mgpu`, launched with programmatic
+dependent launch) only for compiled calls whose dtypes (bf16, f16, or e4m3 queries over an
+e4m3 cache), head count, index dim and page count it supports; interpreted calls (a CPU
+backend) run the Triton kernels unless ``backend`` names one.
+
+- :func:`index_backend` (indexer + select): ``"mosaic"`` (the scores kernel and the select,
+  two Mosaic launches) for at most :data:`MOSAIC_MAX_TOKENS` tokens, except that 16-bit calls
+  of 2 to 16 tokens whose block table is a whole number of 128-page tiles run ``"mixed"``
+  (the Triton scores kernel, then the Mosaic select: Triton's scores kernel is the faster
+  one there, and no pad is needed before the select); ``"triton"`` (one fused launch after a
+  counter memset) above.
+- :func:`scores_backend` (scores alone): Mosaic for one token in 16 bits and up to
+  :data:`MOSAIC_MAX_TOKENS` tokens in e4m3, Triton otherwise.
+- :func:`select_backend` (select alone): Mosaic for ``topk`` 16 and up to
+  :data:`MOSAIC_MAX_SELECT_TOKENS` tokens, Triton otherwise.
 """
 from __future__ import annotations
 
@@ -18,26 +27,60 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._interpret import resolve_interpret
-from pallas_kernels.index_scores import validate_index_inputs
+from pallas_kernels._shapes import TOPK
+from pallas_kernels.index_scores import msa_index_scores, validate_index_inputs
 from pallas_kernels.index_select import msa_index_select
 from pallas_kernels.index_select_mgpu import (DTYPES, HEAD_DIMS, MAX_HEADS, MAX_PAGES,
-                                              msa_index_select_mgpu)
+                                              msa_index_scores_mgpu, msa_index_select_mgpu,
+                                              sparse_topk_select_mgpu)
+from pallas_kernels.topk_select import sparse_topk_select, validate_scores
 
-MOSAIC_MAX_TOKENS = 16  # tokens T up to which the Mosaic GPU kernels are the default
-BACKENDS = ("mosaic", "triton")
+MOSAIC_MAX_TOKENS = 16  # tokens up to which the indexer (and e4m3 scores) run on Mosaic GPU
+MOSAIC_MAX_SELECT_TOKENS = 64  # tokens up to which the select alone runs on Mosaic GPU
+BACKENDS = ("mosaic", "mixed", "triton")
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def _mosaic_scores_ok(num_heads: int, index_dim: int, q_dtype, k_dtype) -> bool:
+    return (jnp.dtype(q_dtype) in DTYPES and jnp.dtype(k_dtype) == jnp.dtype(q_dtype)
+            and num_heads <= MAX_HEADS and index_dim in HEAD_DIMS)
 
 
 def index_backend(num_tokens: int, max_pages: int, num_heads: int, index_dim: int, q_dtype,
                   k_dtype, *, interpreting: bool) -> str:
-    """``"mosaic"`` or ``"triton"`` for a call of ``num_tokens`` tokens and ``num_heads`` index
-    heads over a block table of ``max_pages`` columns (see the module docstring)."""
-    mosaic_ok = (jnp.dtype(q_dtype) in DTYPES
-                 and jnp.dtype(k_dtype) == jnp.dtype(q_dtype)
-                 and num_heads <= MAX_HEADS and index_dim in HEAD_DIMS
-                 and max_pages <= MAX_PAGES)
-    if interpreting or not mosaic_ok or num_tokens > MOSAIC_MAX_TOKENS:
+    """``"mosaic"``, ``"mixed"`` or ``"triton"`` for an indexer + select call of
+    ``num_tokens`` tokens and ``num_heads`` index heads over a block table of ``max_pages``
+    columns (see the module docstring)."""
+    if (interpreting or num_tokens > MOSAIC_MAX_TOKENS or max_pages > MAX_PAGES
+            or not _mosaic_scores_ok(num_heads, index_dim, q_dtype, k_dtype)):
+        return "triton"
+    if jnp.dtype(q_dtype) != _FP8 and num_tokens > 1 and max_pages % 128 == 0:
+        return "mixed"
+    return "mosaic"
+
+
+def scores_backend(num_tokens: int, num_heads: int, index_dim: int, q_dtype, k_dtype, *,
+                   interpreting: bool) -> str:
+    """``"mosaic"`` or ``"triton"`` for a scores call (see the module docstring)."""
+    most = MOSAIC_MAX_TOKENS if jnp.dtype(q_dtype) == _FP8 else 1
+    if (interpreting or num_tokens > most
+            or not _mosaic_scores_ok(num_heads, index_dim, q_dtype, k_dtype)):
         return "triton"
     return "mosaic"
+
+
+def select_backend(num_tokens: int, max_pages: int, topk: int, *, interpreting: bool) -> str:
+    """``"mosaic"`` or ``"triton"`` for a select call (see the module docstring)."""
+    if (interpreting or topk != TOPK or max_pages > MAX_PAGES
+            or num_tokens > MOSAIC_MAX_SELECT_TOKENS):
+        return "triton"
+    return "mosaic"
+
+
+def _checked(backend, allowed, name):
+    if backend not in allowed:
+        raise ValueError(f"{name}: backend must be one of {allowed} or None, got {backend!r}")
+    return backend
 
 
 @functools.partial(jax.jit, static_argnames=("local_blocks", "init_blocks", "interpret",
@@ -45,24 +88,65 @@ def index_backend(num_tokens: int, max_pages: int, num_heads: int, index_dim: in
 def msa_index_select_default(index_q, index_k_cache, block_table, req_indices, positions,
                              num_valid_pages=None, *, local_blocks=1, init_blocks=0,
                              interpret=None, backend=None):
-    """Selected block ids ``[T, H, 16]`` int32 on the kernel :func:`index_backend` picks.
+    """Selected block ids ``[T, H, 16]`` int32 on the kernels :func:`index_backend` picks.
 
     Arguments and results as :func:`pallas_kernels.index_select.msa_index_select` (index_q
     ``[T, H, Di]``, index_k_cache ``[N, 128, Di]``, block_table ``[R, P]`` int32, req_indices
     and positions ``[T]`` int32, num_valid_pages ``[T]`` int32 or None), with each kernel's
-    launch defaults. ``backend``: None (the rule), ``"mosaic"`` or ``"triton"`` (static).
+    launch defaults. ``backend``: None (the rule), or one of :data:`BACKENDS` (static).
     """
     validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
     t, h, di = index_q.shape
     if backend is None:
         backend = index_backend(t, block_table.shape[1], h, di, index_q.dtype,
                                 index_k_cache.dtype, interpreting=resolve_interpret(interpret))
-    if backend not in BACKENDS:
-        raise ValueError(f"msa_index_select_default: backend must be one of {BACKENDS} or "
-                         f"None, got {backend!r}")
-    kernel = msa_index_select_mgpu if backend == "mosaic" else msa_index_select
-    return kernel(index_q, index_k_cache, block_table, req_indices, positions, num_valid_pages,
-                  local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)
+    kw = dict(local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)
+    args = (index_q, index_k_cache, block_table, req_indices, positions)
+    match _checked(backend, BACKENDS, "msa_index_select_default"):
+        case "mosaic":
+            return msa_index_select_mgpu(*args, num_valid_pages, **kw)
+        case "triton":
+            return msa_index_select(*args, num_valid_pages, **kw)
+    scores = msa_index_scores(*args, interpret=interpret)
+    given = num_valid_pages is not None
+    return sparse_topk_select_mgpu(scores, num_valid_pages if given else positions,
+                                   counts_are_positions=not given, **kw)
 
 
-__all__ = ["msa_index_select_default", "index_backend", "MOSAIC_MAX_TOKENS", "BACKENDS"]
+@functools.partial(jax.jit, static_argnames=("interpret", "backend"))
+def msa_index_scores_default(index_q, index_k_cache, block_table, req_indices, positions, *,
+                             interpret=None, backend=None):
+    """Block scores ``[T, H, P]`` f32 on the kernel :func:`scores_backend` picks; arguments and
+    results as :func:`pallas_kernels.index_scores.msa_index_scores`. ``backend``: None (the
+    rule), ``"mosaic"`` or ``"triton"`` (static)."""
+    validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
+    t, h, di = index_q.shape
+    if backend is None:
+        backend = scores_backend(t, h, di, index_q.dtype, index_k_cache.dtype,
+                                 interpreting=resolve_interpret(interpret))
+    kernel = {"mosaic": msa_index_scores_mgpu, "triton": msa_index_scores}[
+        _checked(backend, ("mosaic", "triton"), "msa_index_scores_default")]
+    return kernel(index_q, index_k_cache, block_table, req_indices, positions,
+                  interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks", "interpret",
+                                             "backend"))
+def sparse_topk_select_default(scores, num_valid_pages, *, topk=TOPK, local_blocks=1,
+                               init_blocks=0, interpret=None, backend=None):
+    """Selected block ids ``[T, H, topk]`` int32 on the kernel :func:`select_backend` picks;
+    arguments and results as :func:`pallas_kernels.topk_select.sparse_topk_select`.
+    ``backend``: None (the rule), ``"mosaic"`` or ``"triton"`` (static)."""
+    validate_scores(scores, num_valid_pages, topk, local_blocks, init_blocks)
+    t, _, p = scores.shape
+    if backend is None:
+        backend = select_backend(t, p, topk, interpreting=resolve_interpret(interpret))
+    kernel = {"mosaic": sparse_topk_select_mgpu, "triton": sparse_topk_select}[
+        _checked(backend, ("mosaic", "triton"), "sparse_topk_select_default")]
+    return kernel(scores, num_valid_pages, topk=topk, local_blocks=local_blocks,
+                  init_blocks=init_blocks, interpret=interpret)
+
+
+__all__ = ["msa_index_select_default", "msa_index_scores_default", "sparse_topk_select_default",
+           "index_backend", "scores_backend", "select_backend", "MOSAIC_MAX_TOKENS",
+           "MOSAIC_MAX_SELECT_TOKENS", "BACKENDS"]

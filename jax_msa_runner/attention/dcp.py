@@ -15,8 +15,8 @@ collectives (``all_gather``, ``pmax``, ``psum``); there is no other transport.
 One step of ``dcp_msa_attention`` on rank d:
   1. queries: q and index_q arrive sharded over tokens and are all-gathered (tiled), so every
      rank holds all tokens' queries (the DCP group shares the heads);
-  2. indexer: block scores of the rank's local blocks (``msa_index_scores`` with rank-local
-     positions ``local_len(p + 1) - 1``), masked/forced with *global* ids ``j * W + d`` (the
+  2. indexer: block scores of the rank's local blocks (``msa_index_scores_default`` with
+     rank-local positions ``local_len(p + 1) - 1``), masked/forced with *global* ids ``j * W + d`` (the
      forced block ``n - 1`` only on its owner, every valid block when ``n <= 16``), the rank's
      16 best candidates ``(score, global id)``, all-gathered; the global top-16 by
      (score desc, id asc); the rank keeps its own winners as local ids, ascending, -1 padded;
@@ -56,10 +56,11 @@ from jax_msa_runner.batch.dcp import dcp_local_seq_lens, rank_slot_mapping
 from jax_msa_runner.attention.dense import paged_causal_attention
 from jax_msa_runner.attention.paged_cache import write_index_k, write_kv
 from jax_msa_runner.batch.metadata import BatchMetadata
-from pallas_kernels.index_scores import msa_index_scores, msa_index_scores_reference
+from pallas_kernels.index_scores import msa_index_scores_reference
+from pallas_kernels.index_select_default import (msa_index_scores_default,
+                                                 sparse_topk_select_default)
 from pallas_kernels.sparse_decode import sparse_decode_reference
 from pallas_kernels.sparse_decode_default import sparse_decode_default
-from pallas_kernels.topk_select import sparse_topk_select
 
 DCP_AXIS = "dcp"
 _NO_ID = np.iinfo(np.int32).max  # sort key of an empty selection slot
@@ -266,13 +267,14 @@ def local_candidates(x: jax.Array, gid: jax.Array, *, topk: int = TOPK,
     """The rank's ``topk`` best blocks by (score desc, id asc): (scores, global ids) [T, H, topk].
 
     x [T, H, Pl] prepared scores, gid [Pl] their global ids. use_kernel: the Pallas
-    ``sparse_topk_select`` (no forcing: every entry of x counts, -inf entries come back
+    ``sparse_topk_select_default`` (no forcing: every entry of x counts, -inf entries come back
     as -1 / score -inf), else ``lax.top_k``. Empty candidates have score -inf.
     """
     t, h, pl_ = x.shape
     if use_kernel:
-        ids = sparse_topk_select(x, jnp.full((t,), pl_, jnp.int32), topk=topk, local_blocks=0,
-                                 init_blocks=0, interpret=interpret)  # [T, H, topk] local ids
+        ids = sparse_topk_select_default(x, jnp.full((t,), pl_, jnp.int32), topk=topk,
+                                         local_blocks=0, init_blocks=0,
+                                         interpret=interpret)  # [T, H, topk] local ids
         vals = jnp.take_along_axis(x, jnp.clip(ids, 0, pl_ - 1), axis=-1)
         vals = jnp.where(ids >= 0, vals, -jnp.inf)
     else:
@@ -327,7 +329,7 @@ def _rank_select(index_q, index_k, md, *, world_size, use_kernels, interpret, in
     """Distributed indexer body on one rank: (global sel, local sel) [T, H, 16] int32."""
     rank = lax.axis_index(DCP_AXIS)
     local_pos = local_query_positions(md, world_size, rank)
-    score_fn = (functools.partial(msa_index_scores, interpret=interpret) if use_kernels
+    score_fn = (functools.partial(msa_index_scores_default, interpret=interpret) if use_kernels
                 else msa_index_scores_reference)
     scores = score_fn(index_q, index_k, md.block_table, md.req_indices, local_pos)
     x, gid = prepare_global_scores(scores, md.num_valid_pages, world_size, rank,
