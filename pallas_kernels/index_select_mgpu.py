@@ -205,9 +205,9 @@ def _ordered_key(x):
     return jnp.where(bits < 0, jnp.int32(2 ** 31 - 1) - bits, bits)
 
 
-def _check_scores(name, index_q, index_k_cache, block_table, num_stages, ppp):
+def _check_scores(name, index_q, index_k_cache, num_stages, ppp):
     """The scores kernel's own bounds (ValueError / TypeError naming the argument)."""
-    t, h, di = index_q.shape
+    _, h, di = index_q.shape
     if jnp.dtype(index_q.dtype) not in DTYPES or index_k_cache.dtype != index_q.dtype:
         raise TypeError(f"{name}: index_q and index_k_cache must both be bf16, both f16 or both "
                         f"float8_e4m3fn, got {index_q.dtype} and {index_k_cache.dtype}")
@@ -290,7 +290,7 @@ def msa_index_scores_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     p = block_table.shape[1]
     ppp, ns, params, pdl = _launch(pages_per_program, num_stages, index_q.shape[0], p,
                                    interpret, pdl)
-    _check_scores("msa_index_scores_mgpu", index_q, index_k_cache, block_table, ns, ppp)
+    _check_scores("msa_index_scores_mgpu", index_q, index_k_cache, ns, ppp)
     return _scores(index_q, index_k_cache, block_table, req_indices, positions, width=p,
                    ppp=ppp, num_stages=ns, params=params, pdl=pdl)
 
@@ -342,7 +342,7 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     p = block_table.shape[1]
     ppp, ns, params, pdl = _launch(pages_per_program, num_stages, t, p, interpret, pdl)
     name = "msa_index_select_mgpu"
-    _check_scores(name, index_q, index_k_cache, block_table, ns, ppp)
+    _check_scores(name, index_q, index_k_cache, ns, ppp)
     _check_pages(name, p)
     width = pl.cdiv(pl.cdiv(p, ppp) * ppp, 128) * 128  # the select's row: whole 128-tiles
     scores = _scores(index_q, index_k_cache, block_table, req_indices, positions, width=width,

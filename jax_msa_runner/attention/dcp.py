@@ -16,10 +16,11 @@ One step of ``dcp_msa_attention`` on rank d:
   1. queries: q and index_q arrive sharded over tokens and are all-gathered (tiled), so every
      rank holds all tokens' queries (the DCP group shares the heads);
   2. indexer: block scores of the rank's local blocks (``msa_index_scores_default`` with
-     rank-local positions ``local_len(p + 1) - 1``), masked/forced with *global* ids ``j * W + d`` (the
-     forced block ``n - 1`` only on its owner, every valid block when ``n <= 16``), the rank's
-     16 best candidates ``(score, global id)``, all-gathered; the global top-16 by
-     (score desc, id asc); the rank keeps its own winners as local ids, ascending, -1 padded;
+     rank-local positions ``local_len(p + 1) - 1``), masked/forced with *global* ids
+     ``j * W + d`` (the forced block ``n - 1`` only on its owner, every valid block when
+     ``n <= 16``), the rank's 16 best candidates ``(score, global id)``, all-gathered; the
+     global top-16 by (score desc, id asc); the rank keeps its own winners as local ids,
+     ascending, -1 padded;
   3. rank-local sparse decode over the local lengths ``local_len(kv_len)`` -> (out, lse);
   4. log-sum-exp merge across ranks (pmax + psum): the output is replicated on every rank.
 The union of per-rank top-16s contains the global top-16 (the order (score desc, id asc)
