@@ -1,5 +1,6 @@
 """Sparse prefill on the H200: `sparse_prefill` (page loads shared by a tile's tokens) against
-`sparse_decode` (every token loads its own 16 pages) on the same chunk of a long prompt.
+`sparse_decode` and the Mosaic GPU `sparse_decode_mgpu` (every token loads its own 16 pages;
+the same contract with kv_len = position + 1) on the same chunk of a long prompt.
 
 One request of context L; a chunk of C query tokens at positions L-C .. L-1 (kv_len = position
 + 1), its selection from our indexer + select. Two index-query regimes: "shared" (consecutive
@@ -26,6 +27,7 @@ from _common import add_common_args, copy_bandwidth, rel_l2, time_jax, timer_des
 from _shapes_inputs import HEAD_DIM, INDEX_DIM
 from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels.sparse_decode import sparse_decode
+from pallas_kernels.sparse_decode_mgpu import sparse_decode_mgpu
 from pallas_kernels.sparse_prefill import sparse_prefill, tile_page_union
 from pallas_kernels.index_select import msa_index_select
 
@@ -86,7 +88,9 @@ def bench_case(hq, hkv, context, chunk, regime, copy_bps, prefill_variants, *, r
     scale = HEAD_DIM ** -0.5
     page_bytes = PAGE_SIZE * 2 * HEAD_DIM * 2 * hkv  # one page of every KV head
     decode = jax.jit(lambda *a: sparse_decode(*a, scale=scale))
-    variants = [("decode default", decode, TOPK * chunk)]  # (label, fn, pages per KV head)
+    mosaic = jax.jit(lambda *a: sparse_decode_mgpu(*a, scale=scale))
+    variants = [("decode default", decode, TOPK * chunk),  # (label, fn, pages per KV head)
+                ("decode mosaic", mosaic, TOPK * chunk)]
     for label, kw in prefill_variants:
         fn = jax.jit(lambda *a, kw=kw: sparse_prefill(*a, scale=scale, **kw))
         variants.append((label, fn, union_pages(x, kw.get("tokens_per_tile", 4)) // hkv))
