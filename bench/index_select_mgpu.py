@@ -70,28 +70,38 @@ def main(argv=None) -> int:
         row = dict(shape=shape.name)
         if a.parts:
             row.update(time_parts(args, a.reps, a.trials))
-            result["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            with open(a.out, "w") as f:
-                json.dump(result, f, indent=1)
-            continue
-        outs = {}
-        for name, fn in variants.items():
-            try:
-                outs[name] = np.sort(np.asarray(jax.jit(fn)(*args)), axis=-1)
-                row[f"{name}_kernels"] = hlo_kernel_count(
-                    jax.jit(fn).lower(*args).compile().as_text())["total"]
-                row[name] = time_jax(fn, args, n=a.reps, trials=a.trials, l2="cold").as_dict()
-            except Exception as e:  # one failing variant must not hide the others
-                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
-        for name in outs.keys() - {"triton"}:
-            if "triton" in outs:
-                row[f"{name}_agree"] = float(np.mean(np.all(outs["triton"] == outs[name], -1)))
+        else:
+            row.update(time_variants(variants, args, a.reps, a.trials))
         result["rows"].append(row)
-        print(json.dumps(row), flush=True)
+        print(summary(row), flush=True)
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def summary(row: dict) -> str:
+    """One line per shape: each op's median us, agreements and errors (no kernel counts)."""
+    return f"{row['shape']} " + str({k: (v["us"] if isinstance(v, dict) else v)
+                                     for k, v in row.items()
+                                     if k != "shape" and not k.endswith("_kernels")})
+
+
+def time_variants(variants: dict, args: tuple, reps: int, trials: int) -> dict:
+    """The indexer + select of each variant: kernel count, time, and each Mosaic variant's
+    agreement with the Triton one (share of identical rows)."""
+    row, outs = {}, {}
+    for name, fn in variants.items():
+        try:
+            outs[name] = np.sort(np.asarray(jax.jit(fn)(*args)), axis=-1)
+            row[f"{name}_kernels"] = hlo_kernel_count(
+                jax.jit(fn).lower(*args).compile().as_text())["total"]
+            row[name] = time_jax(fn, args, n=reps, trials=trials, l2="cold").as_dict()
+        except Exception as e:  # one failing variant must not hide the others
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+    for name in outs.keys() - {"triton"}:
+        if "triton" in outs:
+            row[f"{name}_agree"] = float(np.mean(np.all(outs["triton"] == outs[name], -1)))
+    return row
 
 
 def time_parts(args: tuple, reps: int, trials: int) -> dict:
