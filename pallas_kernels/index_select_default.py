@@ -30,7 +30,7 @@ from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._shapes import TOPK
 from pallas_kernels.index_scores import msa_index_scores, validate_index_inputs
 from pallas_kernels.index_select import msa_index_select
-from pallas_kernels.index_select_mgpu import (DTYPES, HEAD_DIMS, MAX_HEADS, MAX_PAGES,
+from pallas_kernels.index_select_mgpu import (DTYPES, HEAD_DIMS, MAX_HEADS, MAX_PAGES, ROW_TILE,
                                               msa_index_scores_mgpu, msa_index_select_mgpu,
                                               sparse_topk_select_mgpu)
 from pallas_kernels.topk_select import sparse_topk_select, validate_scores
@@ -54,7 +54,7 @@ def index_backend(num_tokens: int, max_pages: int, num_heads: int, index_dim: in
     if (interpreting or num_tokens > MOSAIC_MAX_TOKENS or max_pages > MAX_PAGES
             or not _mosaic_scores_ok(num_heads, index_dim, q_dtype, k_dtype)):
         return "triton"
-    if jnp.dtype(q_dtype) != _FP8 and num_tokens > 1 and max_pages % 128 == 0:
+    if jnp.dtype(q_dtype) != _FP8 and num_tokens > 1 and max_pages % ROW_TILE == 0:
         return "mixed"
     return "mosaic"
 

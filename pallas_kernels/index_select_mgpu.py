@@ -61,6 +61,7 @@ ROWS = 64  # wgmma M: the dot's rows (row r holds query head r % H)
 MAX_HEADS = 8  # index heads per token (the scores kernel copies H scores per page)
 MAX_PAGES = 1024  # block-table columns: the select holds Pp / 32 <= 32 scores per lane
 HEAD_DIMS = (64, 128)
+ROW_TILE = 128  # the select's row layout tile (32 lanes x 4): rows are whole tiles
 STAGES = (1, 2, 3)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float8_e4m3fn))
 _NO_ID = 2 ** 30  # larger than any block id
@@ -155,7 +156,7 @@ def _row_layout():
     """A ``[Pp]`` row (``Pp`` a multiple of 128) held whole by every warp of the warpgroup (lane
     l: elements ``4l .. 4l + 3`` of each 128), so a reduction over it stays inside the warp:
     one ``redux.sync`` and no cross-warp barrier."""
-    tiling = mgpu.fragmented_array.Tiling(((128,), (4,)))
+    tiling = mgpu.fragmented_array.Tiling(((ROW_TILE,), (ROW_TILE // 32,)))
     return plgpu.Layout.TILED(tiling, warp_dims=(mgpu.fragmented_array.Replicated(4),),
                               lane_dims=(-2,), vector_dim=-1)
 
@@ -252,6 +253,11 @@ def _scores(index_q, index_k_cache, block_table, req_indices, positions, *, widt
     )(index_q, index_k_cache, block_table, req_indices, positions)
 
 
+def _whole_row_tiles(pages: int) -> int:
+    """The select's row length for ``pages`` scores: rounded up to whole ROW_TILEs."""
+    return pl.cdiv(pages, ROW_TILE) * ROW_TILE
+
+
 def _select(scores, counts, *, max_pages, local_blocks, init_blocks, counts_are_positions,
             params, pdl):
     """The select kernel over f32 ``scores [T, H, Pp]`` (``Pp`` a multiple of 128, columns
@@ -313,7 +319,7 @@ def sparse_topk_select_mgpu(scores, num_valid_pages, *, topk=TOPK, local_blocks=
         raise ValueError(f"{name}: topk must be {TOPK}, got {topk}")
     p = scores.shape[-1]
     _check_pages(name, p)
-    padded = pl.cdiv(p, 128) * 128
+    padded = _whole_row_tiles(p)
     if padded != p:
         scores = jnp.pad(scores, ((0, 0), (0, 0), (0, padded - p)), constant_values=-jnp.inf)
     params = mosaic_interpret_params(interpret)
@@ -344,7 +350,7 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     name = "msa_index_select_mgpu"
     _check_scores(name, index_q, index_k_cache, ns, ppp)
     _check_pages(name, p)
-    width = pl.cdiv(pl.cdiv(p, ppp) * ppp, 128) * 128  # the select's row: whole 128-tiles
+    width = _whole_row_tiles(pl.cdiv(p, ppp) * ppp)
     scores = _scores(index_q, index_k_cache, block_table, req_indices, positions, width=width,
                      ppp=ppp, num_stages=ns, params=params, pdl=pdl)
     given = num_valid_pages is not None

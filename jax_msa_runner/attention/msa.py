@@ -2,11 +2,11 @@
 
 `msa_attention` wires the kernels (the indexer and select on the kernel
 `msa_index_select_default` picks, decode on the one `sparse_decode_default` picks, each for
-the batch's shape) to a batch's `BatchMetadata`
-(any object with the fields block_table, req_indices, positions, num_valid_pages and
-kv_lens): the selector reads `num_valid_pages` (derived from positions) and the attention
-reads `kv_lens` (derived from seq_lens); staging guarantees they agree (validate.py checks
-it) and the attention kernel's safety boundary makes a disagreement harmless anyway.
+the batch's shape) to a batch's `BatchMetadata` (any object with the fields block_table,
+req_indices, positions, num_valid_pages and kv_lens): the selector reads `num_valid_pages`
+(derived from positions) and the attention reads `kv_lens` (derived from seq_lens); staging
+guarantees they agree (validate.py checks it) and the attention kernel's safety boundary
+makes a disagreement harmless anyway.
 
 `msa_attention_reference` is the same pipeline on the pure jax.numpy references.
 """
