@@ -1,7 +1,8 @@
 """H200 benchmark: Mosaic GPU sparse decode against the Triton sparse decode, 16 shapes.
 
-Variants: the Mosaic GPU decode with and without programmatic dependent launch (``pdl``), and
-the Triton decode.
+Variants: the Mosaic GPU decode with and without programmatic dependent launch (``pdl``), with
+the library ``exp2``/``log2`` instead of the default approximate instructions
+(``approx_math=False``), and the Triton decode.
 
 Shapes: Hq/Hkv 16/1 and 64/4, D 128, B decode tokens in 1/16/64/128, every request at context
 L in 8192/65536 with a random page permutation, 16 distinct selected blocks per (token, KV
@@ -17,7 +18,8 @@ L2 error of out, max abs error of lse). The XLA kernel count of each op's own ex
 printed too (``_common.hlo_kernel_count``).
 
 Usage (GPU machine): python3 bench/decode_mgpu.py --out results.json [--reps 10] [--trials 5]
-  [--shapes 16/1/1/8192,...] [--sweep]  (--sweep also times every num_splits x num_stages)
+  [--shapes 16/1/1/8192,...] [--variants mgpu,triton,...]
+  [--sweep]  (--sweep also times every num_splits x num_stages)
 """
 from __future__ import annotations
 
@@ -104,11 +106,13 @@ def triton_fn(q, kv, sel, bt, req, lens):
 VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in the table
     "mgpu": mgpu_fn(),
     "mgpu_nopdl": mgpu_fn(pdl=False),
+    "mgpu_precise": mgpu_fn(approx_math=False),
     "triton": triton_fn,
 }
 
 
-def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool) -> dict:
+def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool,
+                variants: list[str]) -> dict:
     args = make_inputs(shape, seed)
     jax.block_until_ready(args)
     ref = sparse_decode_reference(*args, scale=SCALE)
@@ -118,7 +122,8 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool)
                context=shape.context, bytes=shape.decode_bytes,
                mgpu_config=dict(num_splits=splits,
                                 num_stages=default_stages(HEAD_DIM, splits, rows)))
-    for name, fn in VARIANTS.items():
+    for name in variants:
+        fn = VARIANTS[name]
         try:
             out = jax.jit(fn)(*args)
             row[f"{name}_err"] = errors(*out, *ref)
@@ -147,8 +152,9 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool)
 
 def table(rows: list[dict]) -> str:
     head = ("| Hq/Hkv | B | L | mgpu us | triton us | triton/mgpu | mgpu TB/s | mgpu cfg "
-            "| mgpu rel L2 | triton rel L2 | kernels mgpu/triton | mgpu no PDL us |")
-    lines = [head, "|" + "---|" * 12]
+            "| mgpu rel L2 | triton rel L2 | kernels mgpu/triton | mgpu no PDL us "
+            "| mgpu precise us |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         def us(k):
             v = r.get(k, {}).get("us")
@@ -163,7 +169,7 @@ def table(rows: list[dict]) -> str:
             f"{us('triton')} | {sp} | {tbs} | S{cfg['num_splits']} st{cfg['num_stages']} | "
             f"{err('mgpu_err')} | {err('triton_err')} | "
             f"{r.get('mgpu_kernels', '-')}/{r.get('triton_kernels', '-')} | "
-            f"{us('mgpu_nopdl')} |")
+            f"{us('mgpu_nopdl')} | {us('mgpu_precise')} |")
     return "\n".join(lines)
 
 
@@ -175,7 +181,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=non_negative_int, default=0)
     ap.add_argument("--shapes", default="", help="comma list Hq/Hkv/B/L (default: all 16)")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma list of {', '.join(VARIANTS)}")
     a = ap.parse_args(argv)
+    variants = a.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
     shapes = parse_shapes(a.shapes) if a.shapes else all_shapes()
     dev = jax.devices()[0]
     result = dict(device=str(dev.device_kind), jax=jax.__version__,
@@ -186,7 +197,8 @@ def main(argv=None) -> int:
     print(f"{dev.device_kind}, jax {jax.__version__}", flush=True)
     for sh in shapes:
         t0 = time.perf_counter()
-        row = bench_shape(sh, reps=a.reps, trials=a.trials, seed=a.seed, sweep=a.sweep)
+        row = bench_shape(sh, reps=a.reps, trials=a.trials, seed=a.seed, sweep=a.sweep,
+                          variants=variants)
         row["bench_s"] = round(time.perf_counter() - t0, 1)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)

@@ -6,18 +6,18 @@ CTAs of one warpgroup each (``S`` up to 16, a non-portable cluster size that Hop
 Every CTA reads the token's 16 block ids and metadata as scalars, applies the safety boundary,
 gathers the 16 page ids from the block table and ranks the consumed slots (stable order), so no
 later step has a dependent global load. CTA ``c`` of the cluster owns the consumed slots
-``c, c + S, c + 2S, ...``: it streams their pages through a ``num_stages``-deep ring of
-shared-memory buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate
-barriers; the page id is a dynamic TMA coordinate) and runs the online softmax (base 2, finite
-mask value) with wgmma: ``S = Q K^T`` with Q's GQA group padded to 64 rows,
+``c, c + S, c + 2S, ...``: it streams their pages through a ``num_stages``-deep ring of shared-memory
+buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate barriers; the page id
+is a dynamic TMA coordinate) and runs the online softmax (base 2, the hardware's approximate
+``exp2``, finite mask value) with wgmma: ``S = Q K^T`` with Q's GQA group padded to 64 rows,
 ``P`` written over the consumed K buffer, ``acc += P V``. With ``S > 1`` each CTA stores its
-unnormalised state ``(acc [64, D], m [64], l [64])`` in f32 output buffers, the cluster meets at
-a cluster barrier (with acquire/release fences), and CTA ``c`` merges the ``S`` states for the
-head-dim columns ``[c * D / S, (c + 1) * D / S)`` and writes them: the split merge happens
-inside the kernel. Outputs leave through shared memory by TMA, only the group's real rows.
-With ``pdl`` (the default) the kernel is launched with programmatic dependent launch: it
-waits for the previous kernel's writes (``griddepcontrol.wait``) before its first input read
-and lets the next kernel launch once its page loop is done.
+unnormalised state ``(acc [64, D], m [64], l [64])`` in f32 output buffers, the cluster meets
+at a cluster barrier (with acquire/release fences), and CTA ``c`` merges the ``S`` states for
+the head-dim columns ``[c * D / S, (c + 1) * D / S)`` and writes them: the split merge happens
+inside the kernel. Outputs leave through shared memory by TMA, only the group's real rows. With
+``pdl`` (the default) the kernel is launched with programmatic dependent launch: it waits for
+the previous kernel's writes (``griddepcontrol.wait``) before its first input read and lets the
+next kernel launch once its page loop is done.
 
 Safety boundary (as the Triton kernel and the reference): a slot ``j`` is consumed iff
 ``j < min(ceil(kv_len / 128), 16)`` and its block id is in ``[0, min(ceil(kv_len / 128), P))``;
@@ -53,6 +53,7 @@ MIN_MERGE_COLS = 8  # a CTA merges D / S columns: a [64, W] f32 WGMMA-layout til
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASK = -1e30  # finite mask value for scores (base-2 units)
+PROFILE_EVENTS = 256  # named-region events per warpgroup and call when profiling
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit wgmma operands
 
@@ -140,24 +141,26 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     q_smem[...] = jnp.zeros((ROWS, d), dtype)
     plgpu.commit_smem()
     if pdl and not interpreting:  # launched early: wait for the previous kernel's writes
-        plgpu.griddepcontrol_wait()
+        with jax.named_scope("pdl_wait"):
+            plgpu.griddepcontrol_wait()
     plgpu.copy_gmem_to_smem(q_ref.at[t, h], q_smem.at[pl.ds(0, group)], qbar)
 
     # Metadata as scalars: the safety boundary, the page ids, the rank of each consumed slot.
-    kv_len = jnp.maximum(len_ref[t], 0)
-    req = jnp.clip(req_ref[t], 0, num_rows - 1)
-    n_blocks = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
-    n_use = jnp.minimum(n_blocks, TOPK)
-    bound = jnp.minimum(n_blocks, num_cols)
-    blks, ranks = [], []
-    n_valid = jnp.int32(0)
-    for j in range(TOPK):
-        raw = sel_ref[t, h, j]
-        ok = (j < n_use) & (raw >= 0) & (raw < bound)
-        blks.append(jnp.where(ok, raw, 0))  # boundary: before the block-table read
-        ranks.append(jnp.where(ok, n_valid, TOPK))  # TOPK: picked by no step
-        n_valid = n_valid + ok.astype(jnp.int32)
-    pages = [jnp.clip(bt_ref[req, b], 0, num_pages - 1) for b in blks]
+    with jax.named_scope("metadata"):
+        kv_len = jnp.maximum(len_ref[t], 0)
+        req = jnp.clip(req_ref[t], 0, num_rows - 1)
+        n_blocks = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
+        n_use = jnp.minimum(n_blocks, TOPK)
+        bound = jnp.minimum(n_blocks, num_cols)
+        blks, ranks = [], []
+        n_valid = jnp.int32(0)
+        for j in range(TOPK):
+            raw = sel_ref[t, h, j]
+            ok = (j < n_use) & (raw >= 0) & (raw < bound)
+            blks.append(jnp.where(ok, raw, 0))  # boundary: before the block-table read
+            ranks.append(jnp.where(ok, n_valid, TOPK))  # TOPK: picked by no step
+            n_valid = n_valid + ok.astype(jnp.int32)
+        pages = [jnp.clip(bt_ref[req, b], 0, num_pages - 1) for b in blks]
 
     def lookup(pos):
         """(page id, block id) of the consumed slot of rank ``pos``."""
@@ -178,34 +181,39 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         plgpu.copy_gmem_to_smem(kv_ref.at[page, h, :, pl.ds(d, d)], v_smem.at[slot],
                                 vbar.at[slot])
 
-    for i in range(ns):
-        pl.when(i < n_mine)(functools.partial(issue, i, i))
-    plgpu.barrier_wait(qbar)
+    with jax.named_scope("issue"):
+        for i in range(ns):
+            pl.when(i < n_mine)(functools.partial(issue, i, i))
+    with jax.named_scope("q_wait"):
+        plgpu.barrier_wait(qbar)
 
     def step(i, carry):
         acc, m, l = carry
         slot = lax.rem(i, ns)
         _, blk = lookup(c + i * s_)
         n_keys = jnp.clip(kv_len - blk * PAGE_SIZE, 0, PAGE_SIZE)
-        plgpu.barrier_wait(kbar.at[slot])
+        with jax.named_scope("k_wait"):
+            plgpu.barrier_wait(kbar.at[slot])
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
             return acc_ref[...]
 
-        s = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
-        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
-                                     layout=plgpu.Layout.WGMMA)
-        s = jnp.where(col < n_keys, s * scale_log2, MASK)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l_new = alpha * l + p.sum(axis=1)
-        # K of this slot is consumed: P goes over it (D == 128)
-        p_ref = k_smem.at[slot, pl.ds(0, ROWS)] if d == PAGE_SIZE else p_smem
-        p_ref[...] = p.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_wait(vbar.at[slot])
+        with jax.named_scope("qk_softmax"):
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
+            col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
+                                         layout=plgpu.Layout.WGMMA)
+            s = jnp.where(col < n_keys, s * scale_log2, MASK)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_new = alpha * l + p.sum(axis=1)
+            # K of this slot is consumed: P goes over it (D == 128)
+            p_ref = k_smem.at[slot, pl.ds(0, ROWS)] if d == PAGE_SIZE else p_smem
+            p_ref[...] = p.astype(dtype)
+            plgpu.commit_smem()
+        with jax.named_scope("v_wait"):
+            plgpu.barrier_wait(vbar.at[slot])
 
         @pl.when(n_keys < PAGE_SIZE)
         def _zero_tail():  # keys past kv_len: V rows become 0 so that P V ignores them
@@ -215,16 +223,16 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             v_ref[...] = jnp.where(row < n_keys, v_ref[...], jnp.zeros((PAGE_SIZE, d), dtype))
             plgpu.commit_smem()
 
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
         def pv(acc_ref):
             plgpu.wgmma(acc_ref, p_ref, v_smem.at[slot])
 
-        if interpreting:  # the interpreter has no accumulator initialised from a value
-            acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1],
-                                      plgpu.ACC((ROWS, d), jnp.float32))
-        else:  # accumulate in place: no second [64, D] f32 register tile
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        with jax.named_scope("pv"):
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if interpreting:  # the interpreter has no accumulator initialised from a value
+                acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1],
+                                          plgpu.ACC((ROWS, d), jnp.float32))
+            else:  # accumulate in place: no second [64, D] f32 register tile
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
         pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot))  # the slot is free again
         return acc, m_new, l_new
 
@@ -240,48 +248,52 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         m_all, l_all, acc_cols = m, l, acc
     else:
         # Publish this split's state, meet the cluster, merge columns [c*W, (c+1)*W).
-        opart_ref.at[t, h, c][...] = acc
-        mpart_ref.at[t, h, c][...] = m
-        lpart_ref.at[t, h, c][...] = l
-        _cluster_fence()
-        plgpu.barrier_arrive(cbar)
-        plgpu.barrier_wait(cbar)
-        _cluster_fence()
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        ms = [plgpu.load(mpart_ref.at[t, h, k], layout=row_layout, optimized=False)
-              for k in range(s_)]
-        ls = [plgpu.load(lpart_ref.at[t, h, k], layout=row_layout, optimized=False)
-              for k in range(s_)]
-        m_all = functools.reduce(jnp.maximum, ms)
-        l_all = jnp.zeros_like(m_all)
-        acc_cols = None
-        for k in range(s_):
-            w = jnp.exp2(ms[k] - m_all)
-            l_all = l_all + w * ls[k]
-            part = plgpu.load(opart_ref.at[t, h, k, :, pl.ds(c * width, width)],
-                              layout=plgpu.Layout.WGMMA, optimized=False)
-            term = part * lax.broadcast_in_dim(w, part.shape, [0])
-            acc_cols = term if acc_cols is None else acc_cols + term
+        with jax.named_scope("publish"):
+            opart_ref.at[t, h, c][...] = acc
+            mpart_ref.at[t, h, c][...] = m
+            lpart_ref.at[t, h, c][...] = l
+            _cluster_fence()
+            plgpu.barrier_arrive(cbar)
+        with jax.named_scope("cluster_wait"):
+            plgpu.barrier_wait(cbar)
+            _cluster_fence()
+        with jax.named_scope("merge"):
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            ms = [plgpu.load(mpart_ref.at[t, h, k], layout=row_layout, optimized=False)
+                  for k in range(s_)]
+            ls = [plgpu.load(lpart_ref.at[t, h, k], layout=row_layout, optimized=False)
+                  for k in range(s_)]
+            m_all = functools.reduce(jnp.maximum, ms)
+            l_all = jnp.zeros_like(m_all)
+            acc_cols = None
+            for k in range(s_):
+                w = jnp.exp2(ms[k] - m_all)
+                l_all = l_all + w * ls[k]
+                part = plgpu.load(opart_ref.at[t, h, k, :, pl.ds(c * width, width)],
+                                  layout=plgpu.Layout.WGMMA, optimized=False)
+                term = part * lax.broadcast_in_dim(w, part.shape, [0])
+                acc_cols = term if acc_cols is None else acc_cols + term
 
-    # l == 0 only for a row with no visible key (acc is 0 there); NaN stays NaN.
-    l_div = jnp.where(l_all == 0.0, 1.0, l_all)
-    out = acc_cols / lax.broadcast_in_dim(l_div, acc_cols.shape, [0])
-    lse = jnp.where(l_all == 0.0, -jnp.inf, (m_all + jnp.log2(l_div)) * LN2)
-    stage = q_smem if s_ == 1 else o_stage  # Q is no longer read
-    stage[...] = out.astype(dtype)
-    lse_stage[...] = lse
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, group)],
-                            o_ref.at[t, h, :, pl.ds(c * width, width)])
-    pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(lse_stage.at[pl.ds(0, group)],
-                                                   lse_ref.at[t, h]))
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
+    with jax.named_scope("store"):
+        # l == 0 only for a row with no visible key (acc is 0 there); NaN stays NaN.
+        l_div = jnp.where(l_all == 0.0, 1.0, l_all)
+        out = acc_cols / lax.broadcast_in_dim(l_div, acc_cols.shape, [0])
+        lse = jnp.where(l_all == 0.0, -jnp.inf, (m_all + jnp.log2(l_div)) * LN2)
+        stage = q_smem if s_ == 1 else o_stage  # Q is no longer read
+        stage[...] = out.astype(dtype)
+        lse_stage[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, group)],
+                                o_ref.at[t, h, :, pl.ds(c * width, width)])
+        pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(lse_stage.at[pl.ds(0, group)],
+                                                       lse_ref.at[t, h]))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
-                                             "pdl"))
+                                             "pdl", "approx_math", "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
-                       interpret=None, num_splits=None, num_stages=None, pdl=True):
+                       interpret=None, num_splits=None, num_stages=None, pdl=True,
+                       approx_math=True, profile_dir=None):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
     :func:`pallas_kernels.sparse_decode.sparse_decode`.
 
@@ -300,6 +312,11 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
       pdl: launch with programmatic dependent launch: the kernel may start while the previous
         kernel of the stream drains and waits (``griddepcontrol.wait``) before it reads any
         input; it lets the next kernel launch once its page loop is done.
+      approx_math: ``exp2`` and ``log2`` as the hardware's approximate instructions
+        (``ex2.approx.ftz``, ``lg2.approx.ftz``; the default); ``False``: the precise library
+        functions, several times the instructions on the softmax's critical path.
+      profile_dir: a directory: each call writes a Perfetto trace there of the kernel's named
+        regions per CTA (Mosaic GPU's profiler; a debugging aid, compiled only).
     Returns:
       ``(out [T, Hq, D] q.dtype, lse [T, Hq] f32)``, lse the natural-log LSE of the scaled
       scores; rows without a visible key give zeros and -inf.
@@ -361,9 +378,11 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
         interpreting=interpret is not None, pdl=bool(pdl))
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
+    profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir) if profile_dir else {}
+    params = plgpu.CompilerParams(approx_math=bool(approx_math), **profile)
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(t, hkv), grid_names=("t", "h"),
-        interpret=interpret, kernel_name="msa_sparse_decode_mgpu",
+        interpret=interpret, kernel_name="msa_sparse_decode_mgpu", compiler_params=params,
         **cluster)(req_indices, kv_lens, selected, block_table, qg, kv_cache)
     o, lse = outs[0], outs[1]
     return o[:, :, :g].reshape(t, hq, d), lse[:, :, :g].reshape(t, hq)

@@ -49,13 +49,14 @@ def _fresh_interpreter():
 TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 output, P rounded to bf16 before P V
 
 
-def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first):
+def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first,
+                            approx_math=True):
     """Kernel vs reference on one fresh batch; raises AssertionError naming the seed."""
     args, _ = build_batch(seed, hq=hq, hkv=hkv, d=d, long_first=long_first)
     args = tuple(jnp.asarray(a) for a in args)
     scale = d ** -0.5
     out, lse = sparse_decode_mgpu(*args, scale=scale, num_splits=num_splits,
-                                  num_stages=num_stages)
+                                  num_stages=num_stages, approx_math=approx_math)
     ref_out, ref_lse = sparse_decode_reference(*args, scale=scale)
     t = args[0].shape[0]
     chex.assert_shape((out, lse), ((t, hq, d), (t, hq)))
@@ -82,6 +83,15 @@ BIG_CLUSTERS = [(16, 1, 128, 8, 2, True), (8, 2, 64, 4, 2, False), (16, 1, 128, 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", IN_PROCESS)
 def test_matches_reference(hq, hkv, d, num_splits, num_stages, long_first):
     check_matches_reference(fresh_seed(), hq, hkv, d, num_splits, num_stages, long_first)
+
+
+@pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", IN_PROCESS[:2])
+def test_precise_math_matches_reference(hq, hkv, d, num_splits, num_stages, long_first):
+    """``approx_math=False`` (the library exp2/log2) meets the same tolerance; the default's
+    approximate instructions are what the other tests check (compiled on the GPU; the
+    interpreter computes exactly either way)."""
+    check_matches_reference(fresh_seed(), hq, hkv, d, num_splits, num_stages, long_first,
+                            approx_math=False)
 
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", BIG_CLUSTERS)
@@ -231,6 +241,16 @@ def test_tunables_lower_for_h200(num_splits, num_stages):
     text = lower_for_cuda(sparse_decode_mgpu, *_specs(16, 64, 4), scale=1.0, interpret=False,
                           num_splits=num_splits, num_stages=num_stages)
     assert len(_mosaic_calls(text)) == 1
+
+
+@pytest.mark.parametrize("approx_math", [True, False])
+def test_approx_math_lowers_to_fast_exp2(approx_math):
+    """``approx_math=True`` lowers exp2 and log2 to ``ex2.approx`` and ``lg2.approx``."""
+    text = lower_for_cuda(sparse_decode_mgpu, *_specs(16, 16, 1), scale=1.0, interpret=False,
+                          approx_math=approx_math)
+    assert len(_mosaic_calls(text)) == 1
+    for marker in ("ex2.approx", "lg2.approx"):
+        assert (marker in text) == approx_math, marker
 
 
 @pytest.mark.parametrize("pdl", [True, False])
