@@ -6,8 +6,8 @@ CTAs of one warpgroup each (``S`` up to 16, a non-portable cluster size that Hop
 Every CTA reads the token's 16 block ids and metadata as scalars, applies the safety boundary,
 gathers the 16 page ids from the block table and ranks the consumed slots (stable order), so no
 later step has a dependent global load. CTA ``c`` of the cluster owns the consumed slots
-``c, c + S, c + 2S, ...``: it streams their pages through a ``num_stages``-deep ring of shared-memory
-buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate barriers; the page id
+``c, c + S, c + 2S, ...``: it streams their pages through a ``num_stages``-deep ring of
+shared-memory buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate barriers; the page id
 is a dynamic TMA coordinate) and runs the online softmax (base 2, the hardware's approximate
 ``exp2``, finite mask value) with wgmma: ``S = Q K^T`` with Q's GQA group padded to 64 rows,
 ``P`` written over the consumed K buffer, ``acc += P V``. With ``S > 1`` each CTA stores its
