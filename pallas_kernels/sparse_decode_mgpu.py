@@ -7,17 +7,17 @@ Every CTA reads the token's 16 block ids and metadata as scalars, applies the sa
 gathers the 16 page ids from the block table and ranks the consumed slots (stable order), so no
 later step has a dependent global load. CTA ``c`` of the cluster owns the consumed slots
 ``c, c + S, c + 2S, ...``: it streams their pages through a ``num_stages``-deep ring of
-shared-memory buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate barriers; the page id
-is a dynamic TMA coordinate) and runs the online softmax (base 2, the hardware's approximate
-``exp2``, finite mask value) with wgmma: ``S = Q K^T`` with Q's GQA group padded to 64 rows,
-``P`` written over the consumed K buffer, ``acc += P V``. With ``S > 1`` each CTA stores its
-unnormalised state ``(acc [64, D], m [64], l [64])`` in f32 output buffers, the cluster meets
-at a cluster barrier (with acquire/release fences), and CTA ``c`` merges the ``S`` states for
-the head-dim columns ``[c * D / S, (c + 1) * D / S)`` and writes them: the split merge happens
-inside the kernel. Outputs leave through shared memory by TMA, only the group's real rows. With
-``pdl`` (the default) the kernel is launched with programmatic dependent launch: it waits for
-the previous kernel's writes (``griddepcontrol.wait``) before its first input read and lets the
-next kernel launch once its page loop is done.
+shared-memory buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate barriers;
+the page id is a dynamic TMA coordinate) and runs the online softmax (base 2, the hardware's
+approximate ``exp2``, finite mask value) with wgmma: ``S = Q K^T`` with Q's GQA group padded to
+64 rows, ``P`` written over the consumed K buffer, ``acc += P V``. With ``S > 1`` each CTA
+stores its unnormalised state ``(acc [64, D], m [64], l [64])`` in f32 output buffers, the
+cluster meets at a cluster barrier (with acquire/release fences), and CTA ``c`` merges the
+``S`` states for the head-dim columns ``[c * D / S, (c + 1) * D / S)`` and writes them: the
+split merge happens inside the kernel. Outputs leave through shared memory by TMA, only the
+group's real rows. With ``pdl`` (the default) the kernel is launched with programmatic
+dependent launch: it waits for the previous kernel's writes (``griddepcontrol.wait``) before
+its first input read and lets the next kernel launch once its page loop is done.
 
 Safety boundary (as the Triton kernel and the reference): a slot ``j`` is consumed iff
 ``j < min(ceil(kv_len / 128), 16)`` and its block id is in ``[0, min(ceil(kv_len / 128), P))``;
