@@ -2,7 +2,8 @@
 
 Variants: the Mosaic GPU decode with and without programmatic dependent launch (``pdl``), with
 the library ``exp2``/``log2`` instead of the default approximate instructions
-(``approx_math=False``), and the Triton decode.
+(``approx_math=False``), with P over the consumed K slot (``p_buffer=False``), with a 2-deep
+ring (``mgpu_st2``; 2 splits: ``mgpu_s2_st2``), and the Triton decode.
 
 Shapes: Hq/Hkv 16/1 and 64/4, D 128, B decode tokens in 1/16/64/128, every request at context
 L in 8192/65536 with a random page permutation, 16 distinct selected blocks per (token, KV
@@ -107,6 +108,9 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
     "mgpu": mgpu_fn(),
     "mgpu_nopdl": mgpu_fn(pdl=False),
     "mgpu_precise": mgpu_fn(approx_math=False),
+    "mgpu_p_over_k": mgpu_fn(p_buffer=False),
+    "mgpu_st2": mgpu_fn(num_stages=2),
+    "mgpu_s2_st2": mgpu_fn(num_splits=2, num_stages=2),
     "triton": triton_fn,
 }
 
@@ -150,11 +154,13 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool,
     return row
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], variants: list[str]) -> str:
+    """Markdown: the two defaults, their ratio, and one column per other variant timed."""
+    extra = [v for v in variants if v not in ("mgpu", "triton")]
     head = ("| Hq/Hkv | B | L | mgpu us | triton us | triton/mgpu | mgpu TB/s | mgpu cfg "
-            "| mgpu rel L2 | triton rel L2 | kernels mgpu/triton | mgpu no PDL us "
-            "| mgpu precise us |")
-    lines = [head, "|" + "---|" * 13]
+            "| mgpu rel L2 | triton rel L2 | kernels mgpu/triton |"
+            + "".join(f" {v} us |" for v in extra))
+    lines = [head, "|" + "---|" * (11 + len(extra))]
     for r in rows:
         def us(k):
             v = r.get(k, {}).get("us")
@@ -168,8 +174,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['hq']}/{r['hkv']} | {r['batch']} | {r['context']} | {us('mgpu')} | "
             f"{us('triton')} | {sp} | {tbs} | S{cfg['num_splits']} st{cfg['num_stages']} | "
             f"{err('mgpu_err')} | {err('triton_err')} | "
-            f"{r.get('mgpu_kernels', '-')}/{r.get('triton_kernels', '-')} | "
-            f"{us('mgpu_nopdl')} | {us('mgpu_precise')} |")
+            f"{r.get('mgpu_kernels', '-')}/{r.get('triton_kernels', '-')} |"
+            + "".join(f" {us(v)} |" for v in extra))
     return "\n".join(lines)
 
 
@@ -209,7 +215,7 @@ def main(argv=None) -> int:
         result["geomean_speedup_vs_triton"] = float(np.exp(np.mean(np.log(ok))))
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(table(result["rows"]))
+    print(table(result["rows"], variants))
     if ok:
         print(f"geomean triton/mgpu over {len(ok)} shapes: "
               f"{result['geomean_speedup_vs_triton']:.3f}x")

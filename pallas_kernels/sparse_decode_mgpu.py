@@ -10,14 +10,16 @@ later step has a dependent global load. CTA ``c`` of the cluster owns the consum
 shared-memory buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate barriers;
 the page id is a dynamic TMA coordinate) and runs the online softmax (base 2, the hardware's
 approximate ``exp2``, finite mask value) with wgmma: ``S = Q K^T`` with Q's GQA group padded to
-64 rows, ``P`` written over the consumed K buffer, ``acc += P V``. With ``S > 1`` each CTA
-stores its unnormalised state ``(acc [64, D], m [64], l [64])`` in f32 output buffers, the
-cluster meets at a cluster barrier (with acquire/release fences), and CTA ``c`` merges the
-``S`` states for the head-dim columns ``[c * D / S, (c + 1) * D / S)`` and writes them: the
-split merge happens inside the kernel. Outputs leave through shared memory by TMA, only the
-group's real rows. With ``pdl`` (the default) the kernel is launched with programmatic
-dependent launch: it waits for the previous kernel's writes (``griddepcontrol.wait``) before
-its first input read and lets the next kernel launch once its page loop is done.
+64 rows, ``P`` written over the consumed K buffer or, where it fits and helps
+(:func:`uses_p_buffer`), into its own buffer so that the next page's K streams during the
+softmax, ``acc += P V``. With ``S > 1`` each CTA stores its unnormalised state
+``(acc [64, D], m [64], l [64])`` in f32 output buffers, the cluster meets at a cluster barrier
+(with acquire/release fences), and CTA ``c`` merges the ``S`` states for the head-dim columns
+``[c * D / S, (c + 1) * D / S)`` and writes them: the split merge happens inside the kernel.
+Outputs leave through shared memory by TMA, only the group's real rows. With ``pdl`` (the
+default) the kernel is launched with programmatic dependent launch: it waits for the previous
+kernel's writes (``griddepcontrol.wait``) before its first input read and lets the next kernel
+launch once its page loop is done.
 
 Safety boundary (as the Triton kernel and the reference): a slot ``j`` is consumed iff
 ``j < min(ceil(kv_len / 128), 16)`` and its block id is in ``[0, min(ceil(kv_len / 128), P))``;
@@ -83,30 +85,55 @@ def default_splits(num_rows: int, head_dim: int = 128) -> int:
     return splits
 
 
-def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2) -> int:
-    """Shared memory of one CTA: K and V rings, Q, the output/LSE staging, plus a reserve."""
+def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2,
+               p_buffer: bool | None = None) -> int:
+    """Shared memory of one CTA: K and V rings, Q, P's own buffer (``p_buffer``; ``None``:
+    only where P cannot go over K, ``D != 128``), the output/LSE staging, plus a reserve."""
     ring = num_stages * 2 * PAGE_SIZE * head_dim * itemsize
     q = ROWS * head_dim * itemsize
     stage = 0 if num_splits == 1 else ROWS * (head_dim // num_splits) * itemsize
-    p = 0 if head_dim == PAGE_SIZE else ROWS * PAGE_SIZE * itemsize
+    if p_buffer is None:
+        p_buffer = head_dim != PAGE_SIZE
+    p = ROWS * PAGE_SIZE * itemsize if p_buffer else 0
     return ring + q + p + stage + ROWS * 4 + SMEM_RESERVE
 
 
-def default_stages(head_dim: int, num_splits: int, num_rows: int = 1) -> int:
-    """Deepest ring (<= 3) that fits; a split never holds more than ``ceil(16 / S)`` pages.
-
-    With clusters of 8 or more over more than half the SMs (``num_rows * S > 66`` CTAs) a CTA
-    keeps to half an SM's shared memory: two then fit per SM, so every cluster finds room in
-    one GPC and the grid runs as one wave (at one CTA per SM some clusters wait for a
-    second)."""
-    pages = -(-TOPK // num_splits)
-    budget = SMEM_BYTES
+def smem_budget(num_splits: int, num_rows: int) -> int:
+    """Shared memory a CTA keeps to. With clusters of 8 or more over more than half the SMs
+    (``num_rows * S > 66`` CTAs): half an SM's, so two fit per SM and every cluster finds room
+    in one GPC, the grid running as one wave (at one CTA per SM some clusters wait for a
+    second). Otherwise all of it."""
     if num_splits >= 8 and num_rows * num_splits > NUM_SMS_H200 // 2:
-        budget = SMEM_BYTES // 2
+        return SMEM_BYTES // 2
+    return SMEM_BYTES
+
+
+def default_stages(head_dim: int, num_splits: int, num_rows: int = 1) -> int:
+    """Deepest ring (<= 3, and <= the ``ceil(16 / S)`` pages of a split) that fits
+    :func:`smem_budget` together with P's own buffer wherever a page is issued inside the
+    loop: a 2-deep ring whose next K streams during the softmax measured faster than a 3-deep
+    one with P over K (S = 1 and 2)."""
+    pages = -(-TOPK // num_splits)
+    budget = smem_budget(num_splits, num_rows)
     for stages in (3, 2, 1):
-        if stages <= pages and smem_bytes(head_dim, stages, num_splits) <= budget:
+        p_buffer = head_dim != PAGE_SIZE or pages > stages
+        if stages <= pages and smem_bytes(head_dim, stages, num_splits,
+                                          p_buffer=p_buffer) <= budget:
             return stages
     return 1
+
+
+def uses_p_buffer(head_dim: int, num_stages: int, num_splits: int, num_rows: int = 1) -> bool:
+    """Whether P gets its own buffer instead of going over the consumed K. Always at
+    ``D != 128``; at ``D == 128`` when a split streams more pages than its ring holds (so a
+    page is issued inside the loop) and the buffer fits :func:`smem_budget`. Then the next
+    page's K is issued as soon as ``Q K^T`` has read the slot, and streams during the softmax
+    and ``P V``."""
+    if head_dim != PAGE_SIZE:
+        return True
+    return (-(-TOPK // num_splits) > num_stages
+            and smem_bytes(head_dim, num_stages, num_splits, p_buffer=True)
+            <= smem_budget(num_splits, num_rows))
 
 
 @plgpu.inline_mgpu()
@@ -119,7 +146,7 @@ def _cluster_fence(_ctx):
 
 
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
-                 num_cols, scale_log2, dtype, interpreting, pdl):
+                 num_cols, scale_log2, dtype, interpreting, pdl, p_buffer):
     s_, ns, d = num_splits, num_stages, head_dim
     width = d // s_  # output columns merged and written by one CTA
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
@@ -129,7 +156,7 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         rest = rest[3:]
     q_smem, k_smem, v_smem, lse_stage, kbar, vbar, qbar = rest[:7]
     rest = rest[7:]
-    if d != PAGE_SIZE:  # P [64, 128] has K's [128, D] slot shape only when D == 128
+    if p_buffer:  # else P [64, 128] goes over the consumed K slot ([128, D], D == 128)
         p_smem, rest = rest[0], rest[1:]
     o_stage, cbar = rest if s_ > 1 else (None, None)
 
@@ -174,12 +201,13 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
     n_mine = jnp.maximum(n_valid - c + s_ - 1, 0) // s_  # my ranks: c, c + S, ...
 
-    def issue(i, slot):
+    def issue(i, slot, parts=(0, 1)):
+        """TMA copies of my ``i``-th page into ``slot``: K (part 0) and/or V (part 1)."""
         page, _ = lookup(c + i * s_)
-        plgpu.copy_gmem_to_smem(kv_ref.at[page, h, :, pl.ds(0, d)], k_smem.at[slot],
-                                kbar.at[slot])
-        plgpu.copy_gmem_to_smem(kv_ref.at[page, h, :, pl.ds(d, d)], v_smem.at[slot],
-                                vbar.at[slot])
+        for part in parts:
+            dst, bar = (k_smem, kbar) if part == 0 else (v_smem, vbar)
+            plgpu.copy_gmem_to_smem(kv_ref.at[page, h, :, pl.ds(part * d, d)], dst.at[slot],
+                                    bar.at[slot])
 
     with jax.named_scope("issue"):
         for i in range(ns):
@@ -199,8 +227,11 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
             return acc_ref[...]
 
-        with jax.named_scope("qk_softmax"):
+        with jax.named_scope("qk_dot"):
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
+            if p_buffer:  # K of this slot is read: the next page's K streams from here on
+                pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(0,)))
+        with jax.named_scope("softmax"):
             col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
                                          layout=plgpu.Layout.WGMMA)
             s = jnp.where(col < n_keys, s * scale_log2, MASK)
@@ -208,8 +239,8 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_new = alpha * l + p.sum(axis=1)
-            # K of this slot is consumed: P goes over it (D == 128)
-            p_ref = k_smem.at[slot, pl.ds(0, ROWS)] if d == PAGE_SIZE else p_smem
+        with jax.named_scope("p_store"):
+            p_ref = p_smem if p_buffer else k_smem.at[slot, pl.ds(0, ROWS)]
             p_ref[...] = p.astype(dtype)
             plgpu.commit_smem()
         with jax.named_scope("v_wait"):
@@ -233,7 +264,8 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
                                           plgpu.ACC((ROWS, d), jnp.float32))
             else:  # accumulate in place: no second [64, D] f32 register tile
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot))  # the slot is free again
+        # the slot is free again (only its V slot with a P buffer)
+        pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(1,) if p_buffer else (0, 1)))
         return acc, m_new, l_new
 
     init = (plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
@@ -290,10 +322,10 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
-                                             "pdl", "approx_math", "profile_dir"))
+                                             "pdl", "approx_math", "p_buffer", "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                        interpret=None, num_splits=None, num_stages=None, pdl=True,
-                       approx_math=True, profile_dir=None):
+                       approx_math=True, p_buffer=None, profile_dir=None):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
     :func:`pallas_kernels.sparse_decode.sparse_decode`.
 
@@ -315,6 +347,8 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
       approx_math: ``exp2`` and ``log2`` as the hardware's approximate instructions
         (``ex2.approx.ftz``, ``lg2.approx.ftz``; the default); ``False``: the precise library
         functions, several times the instructions on the softmax's critical path.
+      p_buffer: P in its own shared-memory buffer (``True``; required at D = 64) or over the
+        consumed K slot (``False``); ``None``: :func:`uses_p_buffer`.
       profile_dir: a directory: each call writes a Perfetto trace there of the kernel's named
         regions per CTA (Mosaic GPU's profiler; a debugging aid, compiled only).
     Returns:
@@ -340,10 +374,16 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     stages = default_stages(d, splits, t * hkv) if num_stages is None else num_stages
     if stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
-    if smem_bytes(d, stages, splits) > SMEM_BYTES:
+    if p_buffer is None:
+        p_buffer = uses_p_buffer(d, stages, splits, t * hkv)
+    elif not p_buffer and d != PAGE_SIZE:
+        raise ValueError(f"{name}: p_buffer=False needs D = {PAGE_SIZE} (P over a K slot), "
+                         f"got D = {d}")
+    p_buffer = bool(p_buffer)
+    need = smem_bytes(d, stages, splits, p_buffer=p_buffer)
+    if need > SMEM_BYTES:
         raise ValueError(f"{name}: num_stages {stages} with num_splits {splits} at D = {d} needs "
-                         f"{smem_bytes(d, stages, splits)} bytes: more than {SMEM_BYTES} bytes "
-                         f"of shared memory")
+                         f"{need} bytes: more than {SMEM_BYTES} bytes of shared memory")
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
 
@@ -366,7 +406,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(),
     ]
-    if d != PAGE_SIZE:
+    if p_buffer:
         scratch.append(plgpu.SMEM((ROWS, PAGE_SIZE), q.dtype, transforms=_TILE))  # P
     if splits > 1:
         scratch += [plgpu.SMEM((ROWS, d // splits), q.dtype),               # out staging
@@ -376,7 +416,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     body = functools.partial(
         _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
         num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
-        interpreting=interpret is not None, pdl=bool(pdl))
+        interpreting=interpret is not None, pdl=bool(pdl), p_buffer=p_buffer)
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
     profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir) if profile_dir else {}
     params = plgpu.CompilerParams(approx_math=bool(approx_math), **profile)
@@ -389,4 +429,5 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
 
 
 __all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "max_splits", "smem_bytes",
-           "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS", "ROWS"]
+           "smem_budget", "uses_p_buffer", "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS",
+           "ROWS"]

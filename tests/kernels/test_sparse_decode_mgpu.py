@@ -32,7 +32,8 @@ from pallas_kernels._lowering import lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode_reference
 from pallas_kernels._shapes import NUM_SMS_H200
 from pallas_kernels.sparse_decode_mgpu import (SMEM_BYTES, default_splits, default_stages,
-                                               max_splits, smem_bytes, sparse_decode_mgpu)
+                                               max_splits, smem_budget, smem_bytes,
+                                               sparse_decode_mgpu, uses_p_buffer)
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -77,7 +78,8 @@ def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first
 # consumed pages; GQA groups of 4 and 6 (padded to 8 rows), two KV heads, D=64; every ring.
 IN_PROCESS = [(16, 1, 128, 1, 3, True), (16, 1, 128, 2, 2, False), (8, 2, 64, 1, 1, False),
               (12, 2, 64, 2, 1, False)]
-BIG_CLUSTERS = [(16, 1, 128, 8, 2, True), (8, 2, 64, 4, 2, False), (16, 1, 128, 16, 1, True)]
+BIG_CLUSTERS = [(16, 1, 128, 8, 2, True), (8, 2, 64, 4, 2, False), (16, 1, 128, 16, 1, True),
+                (16, 1, 128, 8, 1, False)]  # the last: B=16's default, P in its own buffer
 
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", IN_PROCESS)
@@ -177,6 +179,8 @@ def _specs(t, hq, hkv, d=128, *, pages=4096, rows=128, cols=512, dtype=jnp.bfloa
     (dict(d=64, num_splits=16), "needs >= 8", ValueError),
     (dict(num_stages=4), "num_stages", ValueError),
     (dict(hq=128), "GQA group Hq/Hkv = 128 exceeds 64", ValueError),
+    (dict(d=64, p_buffer=False), "p_buffer=False needs D = 128", ValueError),
+    (dict(num_splits=1, num_stages=3, p_buffer=True), "bytes of shared memory", ValueError),
 ])
 def test_rejects_unsupported_arguments(kw, match, exc):
     d, dtype, hq = kw.pop("d", 128), kw.pop("dtype", jnp.bfloat16), kw.pop("hq", 16)
@@ -197,8 +201,29 @@ def test_default_config_fits_shared_memory():
             assert smem_bytes(d, default_stages(d, splits), splits) <= SMEM_BYTES
             for stages in (1, 2, 3):  # every allowed ring fits
                 assert smem_bytes(d, stages, splits) <= SMEM_BYTES
-    assert default_stages(128, 1) == 3 and default_stages(128, 8) == 2
+    # a page issued inside the loop: 2 stages with P's own buffer (3 do not fit beside it)
+    assert default_stages(128, 1) == 2 and default_stages(128, 2) == 2
+    assert default_stages(128, 8) == 2  # both pages issued up front, P over K
     assert default_stages(128, 16) == 1  # one page per CTA
+    assert default_stages(64, 1) == 3  # D = 64: P has its own buffer anyway
+
+
+def test_p_buffer_where_a_page_is_issued_inside_the_loop_and_it_fits():
+    """P gets its own buffer at D = 64 always; at D = 128 only when a split streams more pages
+    than its ring holds and the buffer fits the CTA's budget (B=16's clusters of 8, one stage:
+    two CTAs per SM still fit)."""
+    assert uses_p_buffer(64, 3, 1) and uses_p_buffer(64, 1, 16)
+    assert uses_p_buffer(128, 1, 8, 16)  # 2 pages, 1 stage, half an SM
+    assert smem_bytes(128, 1, 8, p_buffer=True) <= smem_budget(8, 16) == SMEM_BYTES // 2
+    assert not uses_p_buffer(128, 1, 16)  # one page per CTA: nothing issued in the loop
+    assert not uses_p_buffer(128, 2, 8)  # both pages issued up front
+    assert not uses_p_buffer(128, 3, 1)  # does not fit next to a 3-deep ring
+    assert uses_p_buffer(128, 2, 2)
+    for rows in (1, 8, 9, 16, 32, 64, 128):
+        s = default_splits(rows)
+        st = default_stages(128, s, rows)
+        p = uses_p_buffer(128, st, s, rows)
+        assert smem_bytes(128, st, s, p_buffer=p) <= smem_budget(s, rows)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 9, 16, 64])
@@ -213,7 +238,7 @@ def test_default_stages_leave_room_for_two_ctas_when_clusters_of_8_fill_the_gpu(
         else:
             assert stages == default_stages(d, 8)
     assert default_stages(128, 8, rows) == (1 if rows * 8 > NUM_SMS_H200 // 2 else 2)
-    assert default_stages(128, 2, rows) == 3  # smaller clusters: unaffected
+    assert default_stages(128, 2, rows) == 2  # smaller clusters: unaffected
 
 
 def _mosaic_calls(text):
