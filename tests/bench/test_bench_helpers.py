@@ -1,4 +1,5 @@
-"""The bench scripts' shared helpers (bench/_common.py) and kernels.py's report logic, on CPU.
+"""The bench scripts' shared helpers (bench/_common.py), kernels.py's report logic and
+decode_trace.py's profile summary, on CPU.
 
 The GPU-only paths of bench/kernels.py (vLLM timing) are exercised through their pure parts:
 the summary of recorded samples, the choice of the valid figure, the printed row and the
@@ -260,3 +261,25 @@ def test_kernels_cpu_smoke(tmp_path):
     assert all(o["us"] > 0 and o["samples_us"] for o in row["ours"].values())
     assert doc["vllm_ops"] == "not requested" and "cold L2" in doc["timing"]["ours"]
     assert "| 16/1 | 2 | 4096 |" in (tmp_path / "kernels.md").read_text()
+
+
+def test_decode_trace_summary_of_a_made_up_profile():
+    """bench/decode_trace.py's reading of a Mosaic GPU profile: per CTA the first event is its
+    start (global timer, us) and later events add SM cycles / 1e3; regions total per CTA."""
+    import decode_trace
+    ev = lambda name, ph, ts, tid: dict(name=name, ph=ph, ts=ts, tid=tid)  # noqa: E731
+    trace = {"traceEvents": [
+        ev("metadata", "B", 100.0, 1), ev("metadata", "E", 101.98, 1),     # 1980 cycles: 1 us
+        ev("k_wait", "B", 101.98, 1), ev("k_wait", "E", 102.97, 1),        # 0.5 us
+        ev("k_wait", "B", 103.96, 1), ev("k_wait", "E", 104.95, 1),        # 0.5 us, at 2 us
+        ev("metadata", "B", 100.5, 2), ev("metadata", "E", 104.46, 2),     # 2 us, starts later
+    ]}
+    ctas = decode_trace.cta_timelines(trace, sm_mhz=1980.0)
+    call = decode_trace.summarise_call(ctas)
+    chex.assert_trees_all_close(
+        (call["start_spread_us"], call["kernel_span_us"], call["regions"]["k_wait"]["total_us"],
+         call["regions"]["k_wait"]["total_max_us"], call["regions"]["metadata"]["total_us"]),
+        (0.5, 2.5, 0.5, 1.0, 1.5), atol=1e-9)
+    assert call["ctas"] == 2 and call["regions"]["k_wait"]["begin_us"] == pytest.approx(1.0)
+    both = decode_trace.median_over_calls([call, call])
+    assert both["regions"]["metadata"]["total_us"] == pytest.approx(1.5)
