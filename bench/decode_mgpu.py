@@ -164,9 +164,9 @@ def table(rows: list[dict], variants: list[str]) -> str:
             + "".join(f" {v} us |" for v in extra))
     lines = [head, "|" + "---|" * (11 + len(extra))]
     for r in rows:
-        def us(k):
+        def us(k):  # "-": not run; "err": it raised (the JSON has the message)
             v = r.get(k, {}).get("us")
-            return f"{v:.1f}" if v is not None else "err"
+            return f"{v:.1f}" if v is not None else ("err" if f"{k}_error" in r else "-")
         m = r.get("mgpu", {}).get("us")
         tbs = f"{r['bytes'] / (m * 1e-6) / 1e12:.2f}" if m else "-"
         sp = f"{r['speedup_vs_triton']:.2f}x" if "speedup_vs_triton" in r else "-"
