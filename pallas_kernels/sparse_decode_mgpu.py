@@ -321,6 +321,7 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
                                                        lse_ref.at[t, h]))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
                                              "pdl", "approx_math", "p_buffer", "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
@@ -345,8 +346,8 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         kernel of the stream drains and waits (``griddepcontrol.wait``) before it reads any
         input; it lets the next kernel launch once its page loop is done.
       approx_math: ``exp2`` and ``log2`` as the hardware's approximate instructions
-        (``ex2.approx.ftz``, ``lg2.approx.ftz``; the default); ``False``: the precise library
-        functions, several times the instructions on the softmax's critical path.
+        (``ex2.approx.ftz``, ``lg2.approx.ftz``; the default); ``False``: the precise (slower)
+        library functions.
       p_buffer: P in its own shared-memory buffer (``True``; required at D = 64) or over the
         consumed K slot (``False``); ``None``: :func:`uses_p_buffer`.
       profile_dir: a directory: each call writes a Perfetto trace there of the kernel's named
