@@ -107,10 +107,11 @@ def msa_index_select_default(index_q, index_k_cache, block_table, req_indices, p
             return msa_index_select_mgpu(*args, num_valid_pages, **kw)
         case "triton":
             return msa_index_select(*args, num_valid_pages, **kw)
-    scores = msa_index_scores(*args, interpret=interpret)
-    given = num_valid_pages is not None
-    return sparse_topk_select_mgpu(scores, num_valid_pages if given else positions,
-                                   counts_are_positions=not given, **kw)
+        case "mixed":
+            scores = msa_index_scores(*args, interpret=interpret)
+            given = num_valid_pages is not None
+            return sparse_topk_select_mgpu(scores, num_valid_pages if given else positions,
+                                           counts_are_positions=not given, **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "backend"))

@@ -273,13 +273,18 @@ def _select(scores, counts, *, max_pages, local_blocks, init_blocks, counts_are_
     )(scores, counts)
 
 
+def _params_and_pdl(interpret, pdl):
+    """(interpret params, pdl): PDL only for a compiled launch."""
+    params = mosaic_interpret_params(interpret)
+    return params, bool(pdl) and params is None
+
+
 def _launch(pages_per_program, num_stages, num_tokens, max_pages, interpret, pdl):
     """(ppp, stages, interpret params, pdl) of a call: None picks the defaults."""
     ppp = (default_pages_per_program(num_tokens, max_pages) if pages_per_program is None
            else pages_per_program)
     ns = min(3, ppp) if num_stages is None else num_stages
-    params = mosaic_interpret_params(interpret)
-    return ppp, ns, params, bool(pdl) and params is None
+    return (ppp, ns) + _params_and_pdl(interpret, pdl)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_program", "num_stages",
@@ -322,10 +327,10 @@ def sparse_topk_select_mgpu(scores, num_valid_pages, *, topk=TOPK, local_blocks=
     padded = _whole_row_tiles(p)
     if padded != p:
         scores = jnp.pad(scores, ((0, 0), (0, 0), (0, padded - p)), constant_values=-jnp.inf)
-    params = mosaic_interpret_params(interpret)
+    params, pdl = _params_and_pdl(interpret, pdl)
     return _select(scores, num_valid_pages, max_pages=p, local_blocks=local_blocks,
                    init_blocks=init_blocks, counts_are_positions=counts_are_positions,
-                   params=params, pdl=bool(pdl) and params is None)
+                   params=params, pdl=pdl)
 
 
 @functools.partial(jax.jit, static_argnames=("local_blocks", "init_blocks", "interpret",

@@ -108,6 +108,13 @@ def smem_budget(num_splits: int, num_rows: int) -> int:
     return SMEM_BYTES
 
 
+def _wants_p_buffer(head_dim: int, num_stages: int, num_splits: int) -> bool:
+    """P needs its own buffer (``D != 128``: no K slot of its shape) or gains from one (a
+    split streams more than its ring's ``num_stages`` pages, so a page is issued inside the
+    loop)."""
+    return head_dim != PAGE_SIZE or -(-TOPK // num_splits) > num_stages
+
+
 def default_stages(head_dim: int, num_splits: int, num_rows: int = 1) -> int:
     """Deepest ring (<= 3, and <= the ``ceil(16 / S)`` pages of a split) that fits
     :func:`smem_budget` together with P's own buffer wherever a page is issued inside the
@@ -116,7 +123,7 @@ def default_stages(head_dim: int, num_splits: int, num_rows: int = 1) -> int:
     pages = -(-TOPK // num_splits)
     budget = smem_budget(num_splits, num_rows)
     for stages in (3, 2, 1):
-        p_buffer = head_dim != PAGE_SIZE or pages > stages
+        p_buffer = _wants_p_buffer(head_dim, stages, num_splits)
         if stages <= pages and smem_bytes(head_dim, stages, num_splits,
                                           p_buffer=p_buffer) <= budget:
             return stages
@@ -131,7 +138,7 @@ def uses_p_buffer(head_dim: int, num_stages: int, num_splits: int, num_rows: int
     and ``P V``."""
     if head_dim != PAGE_SIZE:
         return True
-    return (-(-TOPK // num_splits) > num_stages
+    return (_wants_p_buffer(head_dim, num_stages, num_splits)
             and smem_bytes(head_dim, num_stages, num_splits, p_buffer=True)
             <= smem_budget(num_splits, num_rows))
 
