@@ -2,9 +2,8 @@
 
 Variants: the Mosaic GPU decode with and without programmatic dependent launch (``pdl``), with
 the library ``exp2``/``log2`` instead of the default approximate instructions
-(``approx_math=False``), with P over the consumed K slot (``p_buffer=False``), with a 2-deep
-ring (``mgpu_st2``; 2 splits: ``mgpu_s2_st2``), with clusters of 4 (``mgpu_s4``), and the
-Triton decode.
+(``approx_math=False``), with a 2-deep ring (``mgpu_st2``; 2 splits: ``mgpu_s2_st2``), a
+3-deep ring (``mgpu_st3``), with clusters of 4 (``mgpu_s4``), and the Triton decode.
 
 Shapes: Hq/Hkv 16/1 and 64/4, D 128, B decode tokens in 1/16/64/128, every request at context
 L in 8192/65536 with a random page permutation, 16 distinct selected blocks per (token, KV
@@ -109,10 +108,10 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
     "mgpu": mgpu_fn(),
     "mgpu_nopdl": mgpu_fn(pdl=False),
     "mgpu_precise": mgpu_fn(approx_math=False),
-    "mgpu_p_over_k": mgpu_fn(p_buffer=False),
     "mgpu_st2": mgpu_fn(num_stages=2),
     "mgpu_s2_st2": mgpu_fn(num_splits=2, num_stages=2),
     "mgpu_s4": mgpu_fn(num_splits=4),
+    "mgpu_st3": mgpu_fn(num_stages=3),
     "triton": triton_fn,
 }
 

@@ -2,7 +2,7 @@
 
 Runs ``sparse_decode_mgpu`` with Mosaic GPU's on-device profiler (``profile_dir``): every call
 writes a trace of the kernel's named regions (``pdl_wait``, ``metadata``, ``issue``, ``q_wait``,
-then per page ``k_wait``, ``qk_dot``, ``softmax``, ``p_store``, ``v_wait``, ``pv``, then
+then per page ``k_wait``, ``qk_dot``, ``softmax``, ``v_wait``, ``pv``, then
 ``publish``, ``cluster_wait``, ``merge``, ``store``) per CTA. The traced calls run inside the
 benches' cold-L2 executable (``_common.time_jax``: 512 MiB flush; op), so the kernel sees what
 it sees there.
@@ -35,7 +35,8 @@ from decode_mgpu import SCALE, make_inputs, parse_shapes, shape_id  # noqa: E402
 from pallas_kernels.sparse_decode_mgpu import sparse_decode_mgpu  # noqa: E402
 
 DEFAULT_SHAPES = "16/1/1/8192,16/1/16/8192,64/4/1/65536,64/4/16/8192,16/1/128/8192"
-VARIANTS = {"default": {}, "precise_math": dict(approx_math=False)}
+VARIANTS = {"default": {}, "precise_math": dict(approx_math=False),
+            "stages_3": dict(num_stages=3)}
 
 
 def cta_timelines(trace: dict, sm_mhz: float) -> list[dict]:
@@ -118,11 +119,16 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list Hq/Hkv/B/L")
     ap.add_argument("--sm-mhz", type=float, default=1980.0, help="SM clock for cycles -> us")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default="default",
+                    help=f"comma list of {', '.join(VARIANTS)}")
     a = ap.parse_args(argv)
+    if unknown := set(a.variants.split(",")) - set(VARIANTS):
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), sm_mhz=a.sm_mhz, rows=[])
     for sh in parse_shapes(a.shapes):
-        for name, variant in VARIANTS.items():
+        for name in a.variants.split(","):
+            variant = VARIANTS[name]
             try:
                 row = trace_shape(sh, variant, calls=a.calls, sm_mhz=a.sm_mhz, seed=a.seed)
             except Exception as e:  # one failing shape must not hide the others

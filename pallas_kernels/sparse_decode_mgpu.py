@@ -10,12 +10,13 @@ later step has a dependent global load. CTA ``c`` of the cluster owns the consum
 shared-memory buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate barriers;
 the page id is a dynamic TMA coordinate) and runs the online softmax (base 2, the hardware's
 approximate ``exp2``, finite mask value) with wgmma: ``S = Q K^T`` with Q's GQA group padded to
-64 rows, ``P`` written over the consumed K buffer or, where it fits and helps
-(:func:`uses_p_buffer`), into its own buffer so that the next page's K streams during the
-softmax, ``acc += P V``. With ``S > 1`` each CTA stores its unnormalised state
-``(acc [64, D], m [64], l [64])`` in f32 output buffers, the cluster meets at a cluster barrier
-(with acquire/release fences), and CTA ``c`` merges the ``S`` states for the head-dim columns
-``[c * D / S, (c + 1) * D / S)`` and writes them: the split merge happens inside the kernel.
+64 rows, then ``acc += P V`` with ``P`` as the wgmma's register operand, so a slot's next K is
+issued as soon as ``Q K^T`` has read it and streams during the softmax. With ``S > 1`` each CTA
+publishes its unnormalised state in f32 outputs (the group's real rows of ``acc [64, D]`` by TMA
+from shared memory, ``m [64]`` and ``l [64]`` by plain stores), the cluster meets at a cluster
+barrier (with acquire/release and proxy fences), and CTA ``c`` gathers by TMA, into its
+finished ring, the ``S`` states' head-dim columns ``[c * D / S, (c + 1) * D / S)``, merges and
+writes them: the split merge happens inside the kernel.
 Outputs leave through shared memory by TMA, only the group's real rows. With ``pdl`` (the
 default) the kernel is launched with programmatic dependent launch: it waits for the previous
 kernel's writes (``griddepcontrol.wait``) before its first input read and lets the next kernel
@@ -48,6 +49,7 @@ from pallas_kernels.sparse_decode import validate_inputs
 ROWS = 64  # wgmma M of one warpgroup: the GQA group is padded to this many dot rows
 SPLITS = (1, 2, 4, 8, 16)  # cluster sizes (16: a non-portable size, which Hopper allows)
 STAGES = (1, 2, 3)
+MAX_DEFAULT_STAGES = 2  # a 2-deep ring measured faster than a 3-deep one (bench/RESULTS.md)
 HEAD_DIMS = (64, 128)  # multiples of the 64-element (128-byte) swizzle tile; register budget
 SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
 FILL_CTAS = 128  # default splits: smallest power of two with rows * splits >= this (max 16)
@@ -58,6 +60,7 @@ MASK = -1e30  # finite mask value for scores (base-2 units)
 PROFILE_EVENTS = 256  # named-region events per warpgroup and call when profiling
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit wgmma operands
+_TILE_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # f32 staging
 
 
 def padded_rows(num_q_heads: int, num_kv_heads: int) -> int:
@@ -85,17 +88,14 @@ def default_splits(num_rows: int, head_dim: int = 128) -> int:
     return splits
 
 
-def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2,
-               p_buffer: bool | None = None) -> int:
-    """Shared memory of one CTA: K and V rings, Q, P's own buffer (``p_buffer``; ``None``:
-    only where P cannot go over K, ``D != 128``), the output/LSE staging, plus a reserve."""
+def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2) -> int:
+    """Shared memory of one CTA: the K and V rings (reused by the split merge: this split's
+    f32 acc, then the peers' columns, m and l), Q, the output/LSE staging, plus a reserve."""
     ring = num_stages * 2 * PAGE_SIZE * head_dim * itemsize
+    merge = 0 if num_splits == 1 else ROWS * head_dim * 4 + 2 * num_splits * ROWS * 4
     q = ROWS * head_dim * itemsize
     stage = 0 if num_splits == 1 else ROWS * (head_dim // num_splits) * itemsize
-    if p_buffer is None:
-        p_buffer = head_dim != PAGE_SIZE
-    p = ROWS * PAGE_SIZE * itemsize if p_buffer else 0
-    return ring + q + p + stage + ROWS * 4 + SMEM_RESERVE
+    return max(ring, merge) + q + stage + ROWS * 4 + SMEM_RESERVE
 
 
 def smem_budget(num_splits: int, num_rows: int) -> int:
@@ -108,39 +108,15 @@ def smem_budget(num_splits: int, num_rows: int) -> int:
     return SMEM_BYTES
 
 
-def _wants_p_buffer(head_dim: int, num_stages: int, num_splits: int) -> bool:
-    """P needs its own buffer (``D != 128``: no K slot of its shape) or gains from one (a
-    split streams more than its ring's ``num_stages`` pages, so a page is issued inside the
-    loop)."""
-    return head_dim != PAGE_SIZE or -(-TOPK // num_splits) > num_stages
-
-
 def default_stages(head_dim: int, num_splits: int, num_rows: int = 1) -> int:
-    """Deepest ring (<= 3, and <= the ``ceil(16 / S)`` pages of a split) that fits
-    :func:`smem_budget` together with P's own buffer wherever a page is issued inside the
-    loop: a 2-deep ring whose next K streams during the softmax measured faster than a 3-deep
-    one with P over K (S = 1 and 2)."""
+    """Deepest ring (<= :data:`MAX_DEFAULT_STAGES`, and <= the ``ceil(16 / S)`` pages of a
+    split) that fits :func:`smem_budget`."""
     pages = -(-TOPK // num_splits)
     budget = smem_budget(num_splits, num_rows)
-    for stages in (3, 2, 1):
-        p_buffer = _wants_p_buffer(head_dim, stages, num_splits)
-        if stages <= pages and smem_bytes(head_dim, stages, num_splits,
-                                          p_buffer=p_buffer) <= budget:
+    for stages in range(MAX_DEFAULT_STAGES, 0, -1):
+        if stages <= pages and smem_bytes(head_dim, stages, num_splits) <= budget:
             return stages
     return 1
-
-
-def uses_p_buffer(head_dim: int, num_stages: int, num_splits: int, num_rows: int = 1) -> bool:
-    """Whether P gets its own buffer instead of going over the consumed K. Always at
-    ``D != 128``; at ``D == 128`` when a split streams more pages than its ring holds (so a
-    page is issued inside the loop) and the buffer fits :func:`smem_budget`. Then the next
-    page's K is issued as soon as ``Q K^T`` has read the slot, and streams during the softmax
-    and ``P V``."""
-    if head_dim != PAGE_SIZE:
-        return True
-    return (_wants_p_buffer(head_dim, num_stages, num_splits)
-            and smem_bytes(head_dim, num_stages, num_splits, p_buffer=True)
-            <= smem_budget(num_splits, num_rows))
 
 
 @plgpu.inline_mgpu()
@@ -152,8 +128,15 @@ def _cluster_fence(_ctx):
     mgpu_utils.warpgroup_barrier()
 
 
+@plgpu.inline_mgpu()
+def _async_proxy_fence(_ctx):
+    """Every thread: ``fence.proxy.async.global``: orders global accesses of the generic proxy
+    (plain stores and loads) with those of the async proxy (TMA) on either side of it."""
+    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
-                 num_cols, scale_log2, dtype, interpreting, pdl, p_buffer):
+                 num_cols, scale_log2, dtype, interpreting, pdl):
     s_, ns, d = num_splits, num_stages, head_dim
     width = d // s_  # output columns merged and written by one CTA
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
@@ -161,11 +144,12 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     if s_ > 1:
         opart_ref, mpart_ref, lpart_ref = rest[:3]
         rest = rest[3:]
-    q_smem, k_smem, v_smem, lse_stage, kbar, vbar, qbar = rest[:7]
-    rest = rest[7:]
-    if p_buffer:  # else P [64, 128] goes over the consumed K slot ([128, D], D == 128)
-        p_smem, rest = rest[0], rest[1:]
-    o_stage, cbar = rest if s_ > 1 else (None, None)
+    q_smem, ring, lse_stage, kbar, vbar, qbar = rest[:6]
+    if s_ > 1:  # the ring's memory, reused after the page loop by the split merge
+        (k_smem, v_smem), (pub_smem,), (gather_smem, m_smem, l_smem) = ring
+        o_stage, cbar, mbar = rest[6:]
+    else:
+        k_smem, v_smem = ring
 
     t = lax.axis_index("t")
     h = lax.axis_index("h")
@@ -236,8 +220,8 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
         with jax.named_scope("qk_dot"):
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
-            if p_buffer:  # K of this slot is read: the next page's K streams from here on
-                pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(0,)))
+            # K of this slot is read: the next page's K streams from here on
+            pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(0,)))
         with jax.named_scope("softmax"):
             col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
                                          layout=plgpu.Layout.WGMMA)
@@ -246,10 +230,7 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_new = alpha * l + p.sum(axis=1)
-        with jax.named_scope("p_store"):
-            p_ref = p_smem if p_buffer else k_smem.at[slot, pl.ds(0, ROWS)]
-            p_ref[...] = p.astype(dtype)
-            plgpu.commit_smem()
+        p = p.astype(dtype)  # P V's A operand, in registers
         with jax.named_scope("v_wait"):
             plgpu.barrier_wait(vbar.at[slot])
 
@@ -262,17 +243,15 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             plgpu.commit_smem()
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_ref, v_smem.at[slot])
+            plgpu.wgmma(acc_ref, p, v_smem.at[slot])
 
         with jax.named_scope("pv"):
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if interpreting:  # the interpreter has no accumulator initialised from a value
-                acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1],
-                                          plgpu.ACC((ROWS, d), jnp.float32))
+            if interpreting:  # the interpreter's wgmma takes no operand in registers
+                acc = acc + jnp.dot(p, v_smem.at[slot][...], preferred_element_type=jnp.float32)
             else:  # accumulate in place: no second [64, D] f32 register tile
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        # the slot is free again (only its V slot with a P buffer)
-        pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(1,) if p_buffer else (0, 1)))
+        pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(1,)))  # V slot is free
         return acc, m_new, l_new
 
     init = (plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
@@ -287,29 +266,37 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         m_all, l_all, acc_cols = m, l, acc
     else:
         # Publish this split's state, meet the cluster, merge columns [c*W, (c+1)*W).
-        with jax.named_scope("publish"):
-            opart_ref.at[t, h, c][...] = acc
+        with jax.named_scope("publish"):  # acc: only the group's real rows, by TMA
+            pub_smem[...] = acc
             mpart_ref.at[t, h, c][...] = m
             lpart_ref.at[t, h, c][...] = l
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(pub_smem.at[pl.ds(0, group)], opart_ref.at[t, h, c])
+            plgpu.wait_smem_to_gmem(0)
+            _async_proxy_fence()
             _cluster_fence()
             plgpu.barrier_arrive(cbar)
         with jax.named_scope("cluster_wait"):
             plgpu.barrier_wait(cbar)
             _cluster_fence()
+            _async_proxy_fence()  # the peers' plain m / l stores before the TMA reads
         with jax.named_scope("merge"):
+            for k in range(s_):  # rows past the group stay garbage and are never stored
+                plgpu.copy_gmem_to_smem(opart_ref.at[t, h, k, :, pl.ds(c * width, width)],
+                                        gather_smem.at[k, pl.ds(0, group)], mbar)
+            plgpu.copy_gmem_to_smem(mpart_ref.at[t, h], m_smem, mbar)
+            plgpu.copy_gmem_to_smem(lpart_ref.at[t, h], l_smem, mbar)
+            plgpu.barrier_wait(mbar)
             row_layout = plgpu.Layout.WGMMA.reduce(1)
-            ms = [plgpu.load(mpart_ref.at[t, h, k], layout=row_layout, optimized=False)
-                  for k in range(s_)]
-            ls = [plgpu.load(lpart_ref.at[t, h, k], layout=row_layout, optimized=False)
+            ms = [plgpu.load(m_smem.at[k], layout=row_layout, optimized=False)
                   for k in range(s_)]
             m_all = functools.reduce(jnp.maximum, ms)
             l_all = jnp.zeros_like(m_all)
             acc_cols = None
             for k in range(s_):
                 w = jnp.exp2(ms[k] - m_all)
-                l_all = l_all + w * ls[k]
-                part = plgpu.load(opart_ref.at[t, h, k, :, pl.ds(c * width, width)],
-                                  layout=plgpu.Layout.WGMMA, optimized=False)
+                l_all = l_all + w * plgpu.load(l_smem.at[k], layout=row_layout, optimized=False)
+                part = plgpu.load(gather_smem.at[k], layout=plgpu.Layout.WGMMA, optimized=False)
                 term = part * lax.broadcast_in_dim(w, part.shape, [0])
                 acc_cols = term if acc_cols is None else acc_cols + term
 
@@ -330,10 +317,10 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
-                                             "pdl", "approx_math", "p_buffer", "profile_dir"))
+                                             "pdl", "approx_math", "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                        interpret=None, num_splits=None, num_stages=None, pdl=True,
-                       approx_math=True, p_buffer=None, profile_dir=None):
+                       approx_math=True, profile_dir=None):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
     :func:`pallas_kernels.sparse_decode.sparse_decode`.
 
@@ -355,8 +342,6 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
       approx_math: ``exp2`` and ``log2`` as the hardware's approximate instructions
         (``ex2.approx.ftz``, ``lg2.approx.ftz``; the default); ``False``: the precise (slower)
         library functions.
-      p_buffer: P in its own shared-memory buffer (``True``; required at D = 64) or over the
-        consumed K slot (``False``); ``None``: :func:`uses_p_buffer`.
       profile_dir: a directory: each call writes a Perfetto trace there of the kernel's named
         regions per CTA (Mosaic GPU's profiler; a debugging aid, compiled only).
     Returns:
@@ -382,16 +367,6 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     stages = default_stages(d, splits, t * hkv) if num_stages is None else num_stages
     if stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
-    if p_buffer is None:
-        p_buffer = uses_p_buffer(d, stages, splits, t * hkv)
-    elif not p_buffer and d != PAGE_SIZE:
-        raise ValueError(f"{name}: p_buffer=False needs D = {PAGE_SIZE} (P over a K slot), "
-                         f"got D = {d}")
-    p_buffer = bool(p_buffer)
-    need = smem_bytes(d, stages, splits, p_buffer=p_buffer)
-    if need > SMEM_BYTES:
-        raise ValueError(f"{name}: num_stages {stages} with num_splits {splits} at D = {d} needs "
-                         f"{need} bytes: more than {SMEM_BYTES} bytes of shared memory")
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
 
@@ -401,30 +376,35 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     out_type = [jax.ShapeDtypeStruct((t, hkv, gp, d), q.dtype),
                 jax.ShapeDtypeStruct((t, hkv, gp), jnp.float32)]
-    if splits > 1:
-        out_type += [jax.ShapeDtypeStruct((t, hkv, splits, ROWS, d), jnp.float32),
+    if splits > 1:  # the splits' states: acc's real rows, m, l
+        out_type += [jax.ShapeDtypeStruct((t, hkv, splits, gp, d), jnp.float32),
                      jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32),
                      jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32)]
+    ring = (plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # K ring
+            plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE))  # V ring
+    if splits > 1:  # after the page loop: this split's acc, then the peers' columns and m, l
+        ring = plgpu.RefUnion(
+            ring, (plgpu.SMEM((ROWS, d), jnp.float32, transforms=_TILE_F32),),
+            (plgpu.SMEM((splits, ROWS, d // splits), jnp.float32),
+             plgpu.SMEM((splits, ROWS), jnp.float32), plgpu.SMEM((splits, ROWS), jnp.float32)))
     scratch = [
         plgpu.SMEM((ROWS, d), q.dtype, transforms=_TILE),                   # Q, then out (S=1)
-        plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),      # K ring, then P
-        plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),      # V ring
+        ring,
         plgpu.SMEM((ROWS,), jnp.float32),                                   # lse staging
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(),
     ]
-    if p_buffer:
-        scratch.append(plgpu.SMEM((ROWS, PAGE_SIZE), q.dtype, transforms=_TILE))  # P
     if splits > 1:
         scratch += [plgpu.SMEM((ROWS, d // splits), q.dtype),               # out staging
-                    plgpu.ClusterBarrier(collective_axes=("c",))]
+                    plgpu.ClusterBarrier(collective_axes=("c",)),
+                    plgpu.Barrier(num_arrivals=splits + 2)]  # the merge's S + 2 TMA copies
     # Interpreting skips the kernel's inline fences (inline_mgpu).
     interpret = mosaic_interpret_params(interpret, inline_mgpu="ignore")
     body = functools.partial(
         _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
         num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
-        interpreting=interpret is not None, pdl=bool(pdl), p_buffer=p_buffer)
+        interpreting=interpret is not None, pdl=bool(pdl))
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
     profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir) if profile_dir else {}
     params = plgpu.CompilerParams(approx_math=bool(approx_math), **profile)
@@ -437,5 +417,5 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
 
 
 __all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "max_splits", "smem_bytes",
-           "smem_budget", "uses_p_buffer", "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS",
+           "smem_budget", "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS",
            "ROWS"]

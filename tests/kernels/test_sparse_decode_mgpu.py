@@ -28,12 +28,13 @@ import pytest
 from _decode_batch import POISON_V, build_batch
 from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
+from pallas_kernels.sparse_decode_mgpu import ROWS
 from pallas_kernels._lowering import lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode_reference
 from pallas_kernels._shapes import NUM_SMS_H200
-from pallas_kernels.sparse_decode_mgpu import (SMEM_BYTES, default_splits, default_stages,
-                                               max_splits, smem_budget, smem_bytes,
-                                               sparse_decode_mgpu, uses_p_buffer)
+from pallas_kernels.sparse_decode_mgpu import (SMEM_BYTES, STAGES, default_splits,
+                                               default_stages, max_splits, smem_budget,
+                                               smem_bytes, sparse_decode_mgpu)
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -79,7 +80,7 @@ def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first
 IN_PROCESS = [(16, 1, 128, 1, 3, True), (16, 1, 128, 2, 2, False), (8, 2, 64, 1, 1, False),
               (12, 2, 64, 2, 1, False)]
 BIG_CLUSTERS = [(16, 1, 128, 8, 2, True), (8, 2, 64, 4, 2, False), (16, 1, 128, 16, 1, True),
-                (16, 1, 128, 8, 1, False)]  # the last: B=16's default, P in its own buffer
+                (16, 1, 128, 8, 1, False)]  # the last: B=16's default, one stage
 
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", IN_PROCESS)
@@ -179,8 +180,6 @@ def _specs(t, hq, hkv, d=128, *, pages=4096, rows=128, cols=512, dtype=jnp.bfloa
     (dict(d=64, num_splits=16), "needs >= 8", ValueError),
     (dict(num_stages=4), "num_stages", ValueError),
     (dict(hq=128), "GQA group Hq/Hkv = 128 exceeds 64", ValueError),
-    (dict(d=64, p_buffer=False), "p_buffer=False needs D = 128", ValueError),
-    (dict(num_splits=1, num_stages=3, p_buffer=True), "bytes of shared memory", ValueError),
 ])
 def test_rejects_unsupported_arguments(kw, match, exc):
     d, dtype, hq = kw.pop("d", 128), kw.pop("dtype", jnp.bfloat16), kw.pop("hq", 16)
@@ -198,32 +197,22 @@ def test_default_config_fits_shared_memory():
         for d in (64, 128):
             if splits > max_splits(d):
                 continue
-            assert smem_bytes(d, default_stages(d, splits), splits) <= SMEM_BYTES
-            for stages in (1, 2, 3):  # every allowed ring fits
+            for stages in STAGES:  # every allowed ring fits, the split merge's reuse included
                 assert smem_bytes(d, stages, splits) <= SMEM_BYTES
-    # a page issued inside the loop: 2 stages with P's own buffer (3 do not fit beside it)
-    assert default_stages(128, 1) == 2 and default_stages(128, 2) == 2
-    assert default_stages(128, 8) == 2  # both pages issued up front, P over K
+                merge = ROWS * d * 4 + 2 * splits * ROWS * 4 if splits > 1 else 0
+                assert smem_bytes(d, stages, splits) >= max(2 * stages * PAGE_SIZE * d * 2,
+                                                            merge)
+    assert default_stages(128, 1) == 2 and default_stages(128, 2) == 2  # 2-deep at most
+    assert default_stages(128, 8) == 2  # both pages of a split in flight
     assert default_stages(128, 16) == 1  # one page per CTA
-    assert default_stages(64, 1) == 3  # D = 64: P has its own buffer anyway
+    assert default_stages(64, 1) == 2
 
 
-def test_p_buffer_where_a_page_is_issued_inside_the_loop_and_it_fits():
-    """P gets its own buffer at D = 64 always; at D = 128 only when a split streams more pages
-    than its ring holds and the buffer fits the CTA's budget (B=16's clusters of 8, one stage:
-    two CTAs per SM still fit)."""
-    assert uses_p_buffer(64, 3, 1) and uses_p_buffer(64, 1, 16)
-    assert uses_p_buffer(128, 1, 8, 16)  # 2 pages, 1 stage, half an SM
-    assert smem_bytes(128, 1, 8, p_buffer=True) <= smem_budget(8, 16) == SMEM_BYTES // 2
-    assert not uses_p_buffer(128, 1, 16)  # one page per CTA: nothing issued in the loop
-    assert not uses_p_buffer(128, 2, 8)  # both pages issued up front
-    assert not uses_p_buffer(128, 3, 1)  # does not fit next to a 3-deep ring
-    assert uses_p_buffer(128, 2, 2)
+def test_default_ring_fits_the_budget_of_every_row_count():
     for rows in (1, 8, 9, 16, 32, 64, 128):
         s = default_splits(rows)
-        st = default_stages(128, s, rows)
-        p = uses_p_buffer(128, st, s, rows)
-        assert smem_bytes(128, st, s, p_buffer=p) <= smem_budget(s, rows)
+        assert smem_bytes(128, default_stages(128, s, rows), s) <= smem_budget(s, rows)
+    assert smem_budget(8, 16) == SMEM_BYTES // 2 and default_stages(128, 8, 16) == 1
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 9, 16, 64])
