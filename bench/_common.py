@@ -14,6 +14,8 @@
   ``"warm"``: the op's executable dispatched ``n`` times back to back, no flush: inputs that fit
   may stay in L2; wall time over ``n``, device time only where the op outlasts its dispatch
   (``gpu_bound``).
+- ``no_gc``: the garbage collector off inside every timed loop of async dispatches (ours here,
+  vLLM's in ``_vllm_timing``), so no collection pause drains the device queue mid-sample.
 - ``host_latency_s``: wall time of whole host-driven calls (a serving step, host packing),
   for the scripts that time end-to-end latency rather than device work.
 - Arguments (``add_common_args``, ``positive_int``), ``write_json`` (adds date, device,
@@ -22,9 +24,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
+import gc
 import json
 import os
 import re
@@ -121,6 +125,19 @@ def _executable(fn, l2: str):
     return jax.jit(flushed, donate_argnums=0)
 
 
+@contextlib.contextmanager
+def no_gc():
+    """Python's garbage collector off inside a timed loop of async dispatches: a collection
+    pause there would let the device queue drain and add idle time to the sample."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str) -> Timing:
     """Seconds per call of ``fn(*args)`` (see the module docstring), one sample per trial.
 
@@ -135,12 +152,13 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str) -> Timing:
 
     def loop(step) -> tuple[float, float]:
         """(wall s, host dispatch s) of n async calls of step, then one block."""
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = step()
-        t1 = time.perf_counter()
-        jax.block_until_ready(out)
-        return time.perf_counter() - t0, t1 - t0
+        with no_gc():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out = step()
+            t1 = time.perf_counter()
+            jax.block_until_ready(out)
+            return time.perf_counter() - t0, t1 - t0
 
     def with_op():
         nonlocal buf

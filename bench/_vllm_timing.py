@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from _common import FLUSH_BYTES
+from _common import FLUSH_BYTES, no_gc
 
 _FP8 = {jnp.dtype(jnp.float8_e4m3fn): torch.float8_e4m3fn}
 
@@ -110,13 +110,14 @@ class OpTimer:
         """(GPU seconds, host seconds) of n async steps between two CUDA events."""
         start, end = self._events()
         torch.cuda.synchronize()
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        host = time.perf_counter() - t0
-        end.record()
-        end.synchronize()
+        with no_gc():
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            host = time.perf_counter() - t0
+            end.record()
+            end.synchronize()
         return start.elapsed_time(end) * 1e-3, host
 
     def time_graph(self, graphs: dict, *, n: int, trials: int) -> dict:
