@@ -417,5 +417,4 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
 
 
 __all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "max_splits", "smem_bytes",
-           "smem_budget", "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS",
-           "ROWS"]
+           "smem_budget", "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS", "ROWS"]
