@@ -28,11 +28,10 @@ import pytest
 from _decode_batch import POISON_V, build_batch
 from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
-from pallas_kernels.sparse_decode_mgpu import ROWS
 from pallas_kernels._lowering import lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode_reference
 from pallas_kernels._shapes import NUM_SMS_H200
-from pallas_kernels.sparse_decode_mgpu import (SMEM_BYTES, STAGES, default_splits,
+from pallas_kernels.sparse_decode_mgpu import (ROWS, SMEM_BYTES, STAGES, default_splits,
                                                default_stages, max_splits, smem_budget,
                                                smem_bytes, sparse_decode_mgpu)
 
