@@ -6,7 +6,10 @@
 - ``time_jax``: the one timer of our JAX ops, in two L2 modes named in every output:
   ``"cold"``: ONE jitted executable holding (512 MiB flush; optimization_barrier; op) is
   dispatched ``n`` times back to back, then the flush-only executable ``n`` times; a sample
-  is the wall-time difference over ``n``. Each executable holds exactly one flush and one op,
+  is the wall-time difference over ``n``. Each loop starts behind the same pre-roll of
+  ``PREROLL_FLUSHES`` flush-only calls, so the device is already busy when the loop's clock
+  starts: the host time of a loop's first dispatch (longer for the op's executable than for
+  the flush's) is not in the difference. Each executable holds exactly one flush and one op,
   so every op runs right after a flush whatever order XLA gives the two inside it (XLA drops
   optimization barriers before scheduling; they do not order). The flush outlasts the host's
   dispatch of a call, so the device queue never drains: the figure is device time
@@ -57,6 +60,9 @@ L2_MODES = ("cold", "warm")
 # The cold-L2 flush: 10x the H200's 50 MiB L2, and long enough (about 255 us) that the host's
 # dispatch of one (flush; op) executable (100-180 us with a dict of inputs) stays shorter.
 FLUSH_BYTES = 512 << 20
+# Flush-only calls dispatched before each timed cold loop: about 1 ms of device work, longer
+# than the host's dispatch of the loop's first call, so the device never waits for it.
+PREROLL_FLUSHES = 4
 
 
 def timer_description(l2: str, n: int) -> str:
@@ -65,7 +71,8 @@ def timer_description(l2: str, n: int) -> str:
     if l2 == "cold":
         return (f"cold L2: one XLA executable ({FLUSH_BYTES >> 20} MiB flush; "
                 f"optimization_barrier; op) dispatched {n} x back to back minus the flush-only "
-                f"executable {n} x, per call")
+                f"executable {n} x, per call; each loop behind {PREROLL_FLUSHES} flush-only "
+                f"calls dispatched before its clock starts")
     return (f"warm L2: the op's XLA executable dispatched {n} x back to back (no flush), "
             f"wall time per call")
 
@@ -81,7 +88,7 @@ class Timing:
     l2: str
     samples_s: list
     host_us_per_call: float  # host time to dispatch one call (median over trials)
-    flush_us: float | None  # device time of one flush (cold mode)
+    flush_us: float | None  # cold: wall per call of the flush loop (its pre-roll's tail / n too)
 
     @property
     def us(self) -> float:
@@ -138,21 +145,29 @@ def no_gc():
             gc.enable()
 
 
-def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str) -> Timing:
+def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
+             preroll: int = PREROLL_FLUSHES) -> Timing:
     """Seconds per call of ``fn(*args)`` (see the module docstring), one sample per trial.
 
     fn: a jax function of arrays (pytrees allowed); args: its positional arguments.
     l2: "cold" or "warm" (required: every call site names its mode).
+    preroll: flush-only calls dispatched before each cold loop's clock starts (0: the timer
+      before the pre-roll; ``bench/timer_check.py`` compares the two).
     """
     _check_l2(l2)
-    if n < 1 or trials < 1:
-        raise ValueError(f"n and trials must be >= 1, got n={n}, trials={trials}")
+    if n < 1 or trials < 1 or preroll < 0:
+        raise ValueError(f"n and trials must be >= 1 and preroll >= 0, got n={n}, "
+                         f"trials={trials}, preroll={preroll}")
     ex = _executable(fn, l2)
     buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32) if l2 == "cold" else None
 
     def loop(step) -> tuple[float, float]:
-        """(wall s, host dispatch s) of n async calls of step, then one block."""
+        """(wall s, host dispatch s) of n async calls of step, then one block; cold: behind
+        ``preroll`` flush-only calls dispatched before the clock starts."""
         with no_gc():
+            if l2 == "cold":
+                for _ in range(preroll):
+                    flush()
             t0 = time.perf_counter()
             for _ in range(n):
                 out = step()

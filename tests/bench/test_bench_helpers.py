@@ -119,6 +119,16 @@ def test_time_jax_rejects_bad_arguments():
         _common.time_jax(f, a, n=2, trials=1, l2="lukewarm")
     with pytest.raises(ValueError, match="n and trials"):
         _common.time_jax(f, a, n=0, trials=1, l2="warm")
+    with pytest.raises(ValueError, match="preroll >= 0"):
+        _common.time_jax(f, a, n=2, trials=1, l2="cold", preroll=-1)
+
+
+def test_time_jax_without_preroll():
+    """preroll=0 (the timer before the pre-roll, for bench/timer_check.py) still times."""
+    t = _common.time_jax(lambda v: v * 2.0, (jnp.ones(64),), n=2, trials=2, l2="cold",
+                         preroll=0)
+    chex.assert_tree_all_finite(np.asarray(t.samples_s))
+    assert len(t.samples_s) == 2 and all(s > 0 for s in t.samples_s) and t.flush_us > 0
 
 
 def test_rel_l2():
@@ -232,7 +242,7 @@ def run(name, *argv):
         return e.code
     return 0
 for name in ("kernels.py", "prefill.py", "decode_profile.py", "index_dtype_sweep.py",
-             "dcp.py", "serving.py", "staging.py", "sass_stalls.py"):
+             "dcp.py", "serving.py", "staging.py", "sass_stalls.py", "timer_check.py"):
     assert run(name, "--help") == 0, name
 assert run("kernels.py", "--out", "/tmp/x") == 2  # no GPU and no --cpu-smoke
 assert run("kernels.py", "--out", "/tmp/x", "--cpu-smoke", "--shapes", "16") == 2
