@@ -9,8 +9,8 @@ in ``--ns``, this prints the median and the spread of ``--trials`` samples.
 Ops: the default sparse decode (``sparse_decode_default``) at ``--shapes`` (Hq/Hkv/B/L, inputs
 of ``decode_mgpu.make_inputs``) and ``tiny``, a 4 KiB elementwise op.
 
-Usage (GPU machine): python3 bench/timer_check.py --out results.json [--ns 50,100,200]
-  [--trials 5] [--shapes 16/1/1/8192,...]
+Usage (GPU machine): python3 bench/timer_check.py --out results.json [--ns 100,200]
+  [--trials 6] [--shapes 16/1/1/8192,...]
 """
 from __future__ import annotations
 
