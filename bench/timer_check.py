@@ -39,12 +39,13 @@ def tiny_op(x):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ns", default="100,200", help="loop lengths n, comma-separated")
+    ap.add_argument("--ns", type=lambda text: [positive_int(v) for v in text.split(",")],
+                    default="100,200", help="loop lengths n, comma-separated")
     ap.add_argument("--trials", type=positive_int, default=6)
     ap.add_argument("--shapes", default="16/1/1/8192,16/1/16/8192,16/1/128/8192")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    ns = [positive_int(v) for v in a.ns.split(",")]
+    ns = a.ns
     ops = [(f"decode {shape_id(sh)}", decode_op, make_inputs(sh, a.seed))
            for sh in parse_shapes(a.shapes)]
     ops.append(("tiny", tiny_op, (jnp.zeros((1024,), jnp.float32),)))

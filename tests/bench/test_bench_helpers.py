@@ -248,6 +248,7 @@ assert run("kernels.py", "--out", "/tmp/x") == 2  # no GPU and no --cpu-smoke
 assert run("kernels.py", "--out", "/tmp/x", "--cpu-smoke", "--shapes", "16") == 2
 assert run("kernels.py", "--out", "/tmp/x", "--cpu-smoke", "--reps", "0") == 2
 assert run("prefill.py", "--chunk", "-1") == 2
+assert run("timer_check.py", "--out", "/tmp/x", "--ns", "100,0") == 2
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code, BENCH], capture_output=True, text=True,
@@ -255,6 +256,7 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
     assert "--shapes: shape indices must be in [0, 16)" in r.stderr
     assert "--reps: must be >= 1" in r.stderr
+    assert "--ns: must be >= 1, got 0" in r.stderr
 
 
 def test_kernels_cpu_smoke(tmp_path):
