@@ -9,14 +9,16 @@ later step has a dependent global load. CTA ``c`` of the cluster owns the consum
 ``c, c + S, c + 2S, ...``: it streams their pages through a ``num_stages``-deep ring of
 shared-memory buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate barriers;
 the page id is a dynamic TMA coordinate) and runs the online softmax (base 2, the hardware's
-approximate ``exp2``, finite mask value) with wgmma: ``S = Q K^T`` with Q's GQA group padded to
-64 rows, then ``acc += P V`` with ``P`` as the wgmma's register operand, so a slot's next K is
-issued as soon as ``Q K^T`` has read it and streams during the softmax. With ``S > 1`` each CTA
-publishes its unnormalised state in f32 outputs (the group's real rows of ``acc [64, D]`` by TMA
-from shared memory, ``m [64]`` and ``l [64]`` by plain stores), the cluster meets at a cluster
-barrier (with acquire/release and proxy fences), and CTA ``c`` gathers by TMA, into its
-finished ring, the ``S`` states' head-dim columns ``[c * D / S, (c + 1) * D / S)``, merges and
-writes them: the split merge happens inside the kernel.
+approximate ``exp2``, finite mask value) with wgmma in transposed form, so that the GQA group
+(padded to a multiple of 8) is the wgmma's N and no row is padding: ``S^T = K Q^T`` (keys on M,
+the softmax reduces over them across the warps), ``P`` stored transposed as ``[group, 128]``,
+``acc^T += V^T P^T`` (head dim on M). A slot's next K is issued as soon as ``S^T`` has read it.
+With ``S > 1`` each CTA publishes its unnormalised state in outputs by TMA (``acc`` as
+``[group, D]`` in two bf16 halves, hi + lo, since only 16-bit values take a transposed store;
+``m``, ``l`` in f32), the cluster meets at a cluster barrier (with acquire/release fences), and
+CTA ``c`` gathers by TMA, into its finished ring, the ``S`` states' head-dim columns
+``[c * D / S, (c + 1) * D / S)``, merges them in ``[64, D / S]`` tiles and writes them: the
+split merge happens inside the kernel.
 Outputs leave through shared memory by TMA, only the group's real rows. With ``pdl`` (the
 default) the kernel is launched with programmatic dependent launch: it waits for the previous
 kernel's writes (``griddepcontrol.wait``) before its first input read and lets the next kernel
@@ -46,7 +48,7 @@ from pallas_kernels._interpret import mosaic_interpret_params
 from pallas_kernels._shapes import NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK
 from pallas_kernels.sparse_decode import validate_inputs
 
-ROWS = 64  # wgmma M of one warpgroup: the GQA group is padded to this many dot rows
+ROWS = 64  # the largest GQA group, and the rows of the split merge's WGMMA tiles
 SPLITS = (1, 2, 4, 8, 16)  # cluster sizes (16: a non-portable size, which Hopper allows)
 STAGES = (1, 2, 3)
 MAX_DEFAULT_STAGES = 2  # a 2-deep ring measured faster than a 3-deep one (bench/RESULTS.md)
@@ -60,7 +62,6 @@ MASK = -1e30  # finite mask value for scores (base-2 units)
 PROFILE_EVENTS = 256  # named-region events per warpgroup and call when profiling
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit wgmma operands
-_TILE_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # f32 staging
 
 
 def padded_rows(num_q_heads: int, num_kv_heads: int) -> int:
@@ -88,12 +89,14 @@ def default_splits(num_rows: int, head_dim: int = 128) -> int:
     return splits
 
 
-def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2) -> int:
-    """Shared memory of one CTA: the K and V rings (reused by the split merge: this split's
-    f32 acc, then the peers' columns, m and l), Q, the output/LSE staging, plus a reserve."""
-    ring = num_stages * 2 * PAGE_SIZE * head_dim * itemsize
+def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2,
+               group: int = ROWS) -> int:
+    """Shared memory of one CTA for a GQA group of ``group`` rows (a multiple of 8; default
+    the largest): the K and V rings and P (reused by the split merge: this split's acc, then
+    the peers' columns, m and l), Q, the output/LSE staging, plus a reserve."""
+    ring = num_stages * 2 * PAGE_SIZE * head_dim * itemsize + group * PAGE_SIZE * itemsize
     merge = 0 if num_splits == 1 else ROWS * head_dim * 4 + 2 * num_splits * ROWS * 4
-    q = ROWS * head_dim * itemsize
+    q = group * head_dim * itemsize
     stage = 0 if num_splits == 1 else ROWS * (head_dim // num_splits) * itemsize
     return max(ring, merge) + q + stage + ROWS * 4 + SMEM_RESERVE
 
@@ -142,26 +145,25 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
     rest = refs[8:]
     if s_ > 1:
-        opart_ref, mpart_ref, lpart_ref = rest[:3]
-        rest = rest[3:]
+        ohi_ref, olo_ref, mpart_ref, lpart_ref = rest[:4]
+        rest = rest[4:]
     q_smem, ring, lse_stage, kbar, vbar, qbar = rest[:6]
     if s_ > 1:  # the ring's memory, reused after the page loop by the split merge
-        (k_smem, v_smem), (pub_smem,), (gather_smem, m_smem, l_smem) = ring
+        (k_smem, v_smem, pt_smem), (hi_smem, lo_smem, mpub_smem, lpub_smem), \
+            (ghi_smem, glo_smem, m_smem, l_smem) = ring
         o_stage, cbar, mbar = rest[6:]
     else:
-        k_smem, v_smem = ring
+        k_smem, v_smem, pt_smem = ring
 
     t = lax.axis_index("t")
     h = lax.axis_index("h")
     c = lax.axis_index("c") if s_ > 1 else jnp.int32(0)
 
-    # Q: zero the padding rows, then TMA the group's rows in (independent of the metadata).
-    q_smem[...] = jnp.zeros((ROWS, d), dtype)
-    plgpu.commit_smem()
     if pdl and not interpreting:  # launched early: wait for the previous kernel's writes
         with jax.named_scope("pdl_wait"):
             plgpu.griddepcontrol_wait()
-    plgpu.copy_gmem_to_smem(q_ref.at[t, h], q_smem.at[pl.ds(0, group)], qbar)
+    # Q: the group's rows, zero-padded to a multiple of 8 (independent of the metadata)
+    plgpu.copy_gmem_to_smem(q_ref.at[t, h], q_smem, qbar)
 
     # Metadata as scalars: the safety boundary, the page ids, the rank of each consumed slot.
     with jax.named_scope("metadata"):
@@ -214,23 +216,25 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         with jax.named_scope("k_wait"):
             plgpu.barrier_wait(kbar.at[slot])
 
-        def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        def qk(acc_ref):  # S^T = K Q^T: keys on the wgmma's M, the group on its N
+            plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.transpose((1, 0)))
             return acc_ref[...]
 
         with jax.named_scope("qk_dot"):
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
+            st = pl.run_scoped(qk, plgpu.ACC((PAGE_SIZE, group), jnp.float32))
             # K of this slot is read: the next page's K streams from here on
             pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(0,)))
-        with jax.named_scope("softmax"):
-            col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1,
+        with jax.named_scope("softmax"):  # over the keys: axis 0, across the warps
+            key = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, group), 0,
                                          layout=plgpu.Layout.WGMMA)
-            s = jnp.where(col < n_keys, s * scale_log2, MASK)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            st = jnp.where(key < n_keys, st * scale_log2, MASK)
+            m_new = jnp.maximum(m, st.max(axis=0))
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_new = alpha * l + p.sum(axis=1)
-        p = p.astype(dtype)  # P V's A operand, in registers
+            pt = jnp.exp2(st - lax.broadcast_in_dim(m_new, st.shape, [1]))
+            l_new = alpha * l + pt.sum(axis=0)
+        with jax.named_scope("p_store"):  # P [group, 128]: P V's B operand, read transposed
+            pt_smem.transpose((1, 0))[...] = pt.astype(dtype)
+            plgpu.commit_smem()
         with jax.named_scope("v_wait"):
             plgpu.barrier_wait(vbar.at[slot])
 
@@ -242,74 +246,92 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             v_ref[...] = jnp.where(row < n_keys, v_ref[...], jnp.zeros((PAGE_SIZE, d), dtype))
             plgpu.commit_smem()
 
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+        def pv(acc_ref):  # out^T += V^T P^T: the head dim on M, the group on N
+            plgpu.wgmma(acc_ref, v_smem.at[slot].transpose((1, 0)), pt_smem.transpose((1, 0)))
 
         with jax.named_scope("pv"):
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if interpreting:  # the interpreter's wgmma takes no operand in registers
-                acc = acc + jnp.dot(p, v_smem.at[slot][...], preferred_element_type=jnp.float32)
-            else:  # accumulate in place: no second [64, D] f32 register tile
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+            if interpreting:  # the interpreter has no accumulator initialised from a value
+                acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1],
+                                          plgpu.ACC((d, group), jnp.float32))
+            else:  # accumulate in place
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
         pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(1,)))  # V slot is free
         return acc, m_new, l_new
 
-    init = (plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((ROWS,), MASK, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1)),
-            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-    acc, m, l = lax.fori_loop(0, n_mine, step, init)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+    init = (plgpu.layout_cast(jnp.zeros((d, group), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((group,), MASK, jnp.float32), col_layout),
+            plgpu.layout_cast(jnp.zeros((group,), jnp.float32), col_layout))
+    acc, m, l = lax.fori_loop(0, n_mine, step, init)  # acc^T [D, group], m and l [group]
     if pdl and not interpreting:  # the next kernel may start its prologue (it waits for us)
         plgpu.griddepcontrol_launch_dependents()
 
     if s_ == 1:
-        m_all, l_all, acc_cols = m, l, acc
-    else:
-        # Publish this split's state, meet the cluster, merge columns [c*W, (c+1)*W).
-        with jax.named_scope("publish"):  # acc: only the group's real rows, by TMA
-            pub_smem[...] = acc
-            mpart_ref.at[t, h, c][...] = m
-            lpart_ref.at[t, h, c][...] = l
+        with jax.named_scope("store"):
+            # l == 0 only for a row with no visible key (acc is 0 there); NaN stays NaN.
+            l_div = jnp.where(l == 0.0, 1.0, l)
+            out_t = acc / lax.broadcast_in_dim(l_div, acc.shape, [1])
+            q_smem.transpose((1, 0))[...] = out_t.astype(dtype)  # Q is no longer read
+            lse_stage.at[pl.ds(0, group)][...] = jnp.where(
+                l == 0.0, -jnp.inf, (m + jnp.log2(l_div)) * LN2)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(pub_smem.at[pl.ds(0, group)], opart_ref.at[t, h, c])
-            plgpu.wait_smem_to_gmem(0)
-            _async_proxy_fence()
-            _cluster_fence()
-            plgpu.barrier_arrive(cbar)
-        with jax.named_scope("cluster_wait"):
-            plgpu.barrier_wait(cbar)
-            _cluster_fence()
-            _async_proxy_fence()  # the peers' plain m / l stores before the TMA reads
-        with jax.named_scope("merge"):
-            for k in range(s_):  # rows past the group stay garbage and are never stored
-                plgpu.copy_gmem_to_smem(opart_ref.at[t, h, k, :, pl.ds(c * width, width)],
-                                        gather_smem.at[k, pl.ds(0, group)], mbar)
-            plgpu.copy_gmem_to_smem(mpart_ref.at[t, h], m_smem, mbar)
-            plgpu.copy_gmem_to_smem(lpart_ref.at[t, h], l_smem, mbar)
-            plgpu.barrier_wait(mbar)
-            row_layout = plgpu.Layout.WGMMA.reduce(1)
-            ms = [plgpu.load(m_smem.at[k], layout=row_layout, optimized=False)
-                  for k in range(s_)]
-            m_all = functools.reduce(jnp.maximum, ms)
-            l_all = jnp.zeros_like(m_all)
-            acc_cols = None
-            for k in range(s_):
-                w = jnp.exp2(ms[k] - m_all)
-                l_all = l_all + w * plgpu.load(l_smem.at[k], layout=row_layout, optimized=False)
-                part = plgpu.load(gather_smem.at[k], layout=plgpu.Layout.WGMMA, optimized=False)
-                term = part * lax.broadcast_in_dim(w, part.shape, [0])
-                acc_cols = term if acc_cols is None else acc_cols + term
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[t, h])
+            plgpu.copy_smem_to_gmem(lse_stage.at[pl.ds(0, group)], lse_ref.at[t, h])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return
+
+    # Publish this split's state, meet the cluster, merge columns [c*W, (c+1)*W).
+    # acc^T [D, group] f32 leaves as acc [group, D] in two bf16 halves, hi + lo (16 bits of
+    # mantissa): shared memory takes a transposed store of 16-bit values only.
+    with jax.named_scope("publish"):
+        hi = acc.astype(jnp.bfloat16)
+        hi_smem.transpose((1, 0))[...] = hi
+        lo_smem.transpose((1, 0))[...] = (acc - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+        mpub_smem[...] = m
+        lpub_smem[...] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(hi_smem, ohi_ref.at[t, h, c])
+        plgpu.copy_smem_to_gmem(lo_smem, olo_ref.at[t, h, c])
+        plgpu.copy_smem_to_gmem(mpub_smem, mpart_ref.at[t, h, c, pl.ds(0, group)])
+        plgpu.copy_smem_to_gmem(lpub_smem, lpart_ref.at[t, h, c, pl.ds(0, group)])
+        plgpu.wait_smem_to_gmem(0)
+        _cluster_fence()
+        plgpu.barrier_arrive(cbar)
+    with jax.named_scope("cluster_wait"):
+        plgpu.barrier_wait(cbar)
+        _cluster_fence()
+    with jax.named_scope("merge"):  # [64, W] tiles: rows past the group are never stored
+        for k in range(s_):
+            for src, dst in ((ohi_ref, ghi_smem), (olo_ref, glo_smem)):
+                plgpu.copy_gmem_to_smem(src.at[t, h, k, :, pl.ds(c * width, width)],
+                                        dst.at[k, pl.ds(0, group)], mbar)
+        plgpu.copy_gmem_to_smem(mpart_ref.at[t, h], m_smem, mbar)
+        plgpu.copy_gmem_to_smem(lpart_ref.at[t, h], l_smem, mbar)
+        plgpu.barrier_wait(mbar)
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        ms = [plgpu.load(m_smem.at[k], layout=row_layout, optimized=False) for k in range(s_)]
+        m_all = functools.reduce(jnp.maximum, ms)
+        l_all = jnp.zeros_like(m_all)
+        acc_cols = None
+        for k in range(s_):
+            w = jnp.exp2(ms[k] - m_all)
+            l_all = l_all + w * plgpu.load(l_smem.at[k], layout=row_layout, optimized=False)
+            part = sum(plgpu.load(g.at[k], layout=plgpu.Layout.WGMMA,
+                                  optimized=False).astype(jnp.float32)
+                       for g in (ghi_smem, glo_smem))
+            term = part * lax.broadcast_in_dim(w, part.shape, [0])
+            acc_cols = term if acc_cols is None else acc_cols + term
 
     with jax.named_scope("store"):
         # l == 0 only for a row with no visible key (acc is 0 there); NaN stays NaN.
         l_div = jnp.where(l_all == 0.0, 1.0, l_all)
         out = acc_cols / lax.broadcast_in_dim(l_div, acc_cols.shape, [0])
         lse = jnp.where(l_all == 0.0, -jnp.inf, (m_all + jnp.log2(l_div)) * LN2)
-        stage = q_smem if s_ == 1 else o_stage  # Q is no longer read
-        stage[...] = out.astype(dtype)
+        o_stage[...] = out.astype(dtype)
         lse_stage[...] = lse
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, group)],
+        plgpu.copy_smem_to_gmem(o_stage.at[pl.ds(0, group)],
                                 o_ref.at[t, h, :, pl.ds(c * width, width)])
         pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(lse_stage.at[pl.ds(0, group)],
                                                        lse_ref.at[t, h]))
@@ -367,28 +389,38 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     stages = default_stages(d, splits, t * hkv) if num_stages is None else num_stages
     if stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
+    gp = padded_rows(hq, hkv)
+    need = smem_bytes(d, stages, splits, group=gp)
+    if need > SMEM_BYTES:
+        raise ValueError(f"{name}: num_stages {stages} with num_splits {splits}, D = {d} and a "
+                         f"GQA group of {gp} rows needs {need} bytes: more than {SMEM_BYTES} "
+                         f"bytes of shared memory")
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
 
-    gp = padded_rows(hq, hkv)
     qg = q.reshape(t, hkv, g, d)
     if gp != g:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     out_type = [jax.ShapeDtypeStruct((t, hkv, gp, d), q.dtype),
                 jax.ShapeDtypeStruct((t, hkv, gp), jnp.float32)]
     if splits > 1:  # the splits' states: acc's real rows, m, l
-        out_type += [jax.ShapeDtypeStruct((t, hkv, splits, gp, d), jnp.float32),
+        out_type += [jax.ShapeDtypeStruct((t, hkv, splits, gp, d), jnp.bfloat16),
+                     jax.ShapeDtypeStruct((t, hkv, splits, gp, d), jnp.bfloat16),
                      jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32),
                      jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32)]
     ring = (plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # K ring
-            plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE))  # V ring
+            plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # V ring
+            plgpu.SMEM((gp, PAGE_SIZE), q.dtype, transforms=_TILE))         # P
     if splits > 1:  # after the page loop: this split's acc, then the peers' columns and m, l
         ring = plgpu.RefUnion(
-            ring, (plgpu.SMEM((ROWS, d), jnp.float32, transforms=_TILE_F32),),
-            (plgpu.SMEM((splits, ROWS, d // splits), jnp.float32),
+            ring, (plgpu.SMEM((gp, d), jnp.bfloat16, transforms=_TILE),
+                   plgpu.SMEM((gp, d), jnp.bfloat16, transforms=_TILE),
+                   plgpu.SMEM((gp,), jnp.float32), plgpu.SMEM((gp,), jnp.float32)),
+            (plgpu.SMEM((splits, ROWS, d // splits), jnp.bfloat16),
+             plgpu.SMEM((splits, ROWS, d // splits), jnp.bfloat16),
              plgpu.SMEM((splits, ROWS), jnp.float32), plgpu.SMEM((splits, ROWS), jnp.float32)))
     scratch = [
-        plgpu.SMEM((ROWS, d), q.dtype, transforms=_TILE),                   # Q, then out (S=1)
+        plgpu.SMEM((gp, d), q.dtype, transforms=_TILE),                     # Q, then out (S=1)
         ring,
         plgpu.SMEM((ROWS,), jnp.float32),                                   # lse staging
         plgpu.Barrier(num_barriers=stages),
@@ -398,7 +430,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     if splits > 1:
         scratch += [plgpu.SMEM((ROWS, d // splits), q.dtype),               # out staging
                     plgpu.ClusterBarrier(collective_axes=("c",)),
-                    plgpu.Barrier(num_arrivals=splits + 2)]  # the merge's S + 2 TMA copies
+                    plgpu.Barrier(num_arrivals=2 * splits + 2)]  # the merge's TMA copies
     # Interpreting skips the kernel's inline fences (inline_mgpu).
     interpret = mosaic_interpret_params(interpret, inline_mgpu="ignore")
     body = functools.partial(

@@ -179,6 +179,7 @@ def _specs(t, hq, hkv, d=128, *, pages=4096, rows=128, cols=512, dtype=jnp.bfloa
     (dict(d=64, num_splits=16), "needs >= 8", ValueError),
     (dict(num_stages=4), "num_stages", ValueError),
     (dict(hq=128), "GQA group Hq/Hkv = 128 exceeds 64", ValueError),
+    (dict(hq=64, num_splits=1, num_stages=3), "bytes of shared memory", ValueError),
 ])
 def test_rejects_unsupported_arguments(kw, match, exc):
     d, dtype, hq = kw.pop("d", 128), kw.pop("dtype", jnp.bfloat16), kw.pop("hq", 16)
@@ -196,8 +197,8 @@ def test_default_config_fits_shared_memory():
         for d in (64, 128):
             if splits > max_splits(d):
                 continue
-            for stages in STAGES:  # every allowed ring fits, the split merge's reuse included
-                assert smem_bytes(d, stages, splits) <= SMEM_BYTES
+            for stages in STAGES:  # every ring fits a group of 16, the merge's reuse included
+                assert smem_bytes(d, stages, splits, group=16) <= SMEM_BYTES
                 merge = ROWS * d * 4 + 2 * splits * ROWS * 4 if splits > 1 else 0
                 assert smem_bytes(d, stages, splits) >= max(2 * stages * PAGE_SIZE * d * 2,
                                                             merge)
