@@ -131,13 +131,6 @@ def _cluster_fence(_ctx):
     mgpu_utils.warpgroup_barrier()
 
 
-@plgpu.inline_mgpu()
-def _async_proxy_fence(_ctx):
-    """Every thread: ``fence.proxy.async.global``: orders global accesses of the generic proxy
-    (plain stores and loads) with those of the async proxy (TMA) on either side of it."""
-    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
-
-
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
                  num_cols, scale_log2, dtype, interpreting, pdl):
     s_, ns, d = num_splits, num_stages, head_dim
