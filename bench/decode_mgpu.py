@@ -41,7 +41,7 @@ from _shapes_inputs import HEAD_DIM, Shape, all_shapes  # noqa: E402
 from pallas_kernels import PAGE_SIZE, TOPK  # noqa: E402
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference  # noqa: E402
 from pallas_kernels.sparse_decode_mgpu import (SPLITS, STAGES, default_splits,  # noqa: E402
-                                               default_stages, max_splits, smem_bytes,
+                                               default_stages, smem_bytes,
                                                SMEM_BYTES, sparse_decode_mgpu)
 
 SCALE = HEAD_DIM ** -0.5
@@ -122,7 +122,7 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool,
     jax.block_until_ready(args)
     ref = sparse_decode_reference(*args, scale=SCALE)
     rows = shape.batch * shape.hkv
-    splits = default_splits(rows, HEAD_DIM)
+    splits = default_splits(rows)
     row = dict(shape=shape_id(shape), hq=shape.hq, hkv=shape.hkv, batch=shape.batch,
                context=shape.context, bytes=shape.decode_bytes,
                mgpu_config=dict(num_splits=splits,
@@ -142,7 +142,7 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool,
         row["sweep"] = []
         for s in SPLITS:
             for st in STAGES:
-                if (s > max_splits(HEAD_DIM) or st > -(-TOPK // s)
+                if (st > -(-TOPK // s)
                         or smem_bytes(HEAD_DIM, st, s) > SMEM_BYTES):
                     continue
                 try:

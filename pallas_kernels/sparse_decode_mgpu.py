@@ -13,12 +13,12 @@ approximate ``exp2``, finite mask value) with wgmma in transposed form, so that 
 (padded to a multiple of 8) is the wgmma's N and no row is padding: ``S^T = K Q^T`` (keys on M,
 the softmax reduces over them across the warps), ``P`` stored transposed as ``[group, 128]``,
 ``acc^T += V^T P^T`` (head dim on M). A slot's next K is issued as soon as ``S^T`` has read it.
-With ``S > 1`` each CTA publishes its unnormalised state in outputs by TMA (``acc`` as
-``[group, D]`` in two bf16 halves, hi + lo, since only 16-bit values take a transposed store;
-``m``, ``l`` in f32), the cluster meets at a cluster barrier (with acquire/release fences), and
-CTA ``c`` gathers by TMA, into its finished ring, the ``S`` states' head-dim columns
-``[c * D / S, (c + 1) * D / S)``, merges them in ``[64, D / S]`` tiles and writes them: the
-split merge happens inside the kernel.
+With ``S > 1`` each CTA publishes its unnormalised state in outputs by TMA as it holds it
+(``acc^T [D, group]``, ``m``, ``l``, f32), the cluster meets at a cluster barrier (with
+acquire/release fences), and the split merge happens inside the kernel in tasks of 64 head
+dims x 8 group rows (``D / 64 * group / 8`` tasks; CTA ``c`` takes tasks ``c, c + S, ...``):
+a task gathers its ``[64, 8]`` tile of the ``S`` states by TMA into the finished ring,
+merges them and writes the output's ``[8, 64]`` block, transposed through shared memory.
 Outputs leave through shared memory by TMA, only the group's real rows. With ``pdl`` (the
 default) the kernel is launched with programmatic dependent launch: it waits for the previous
 kernel's writes (``griddepcontrol.wait``) before its first input read and lets the next kernel
@@ -55,13 +55,15 @@ MAX_DEFAULT_STAGES = 2  # a 2-deep ring measured faster than a 3-deep one (bench
 HEAD_DIMS = (64, 128)  # multiples of the 64-element (128-byte) swizzle tile; register budget
 SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
 FILL_CTAS = 128  # default splits: smallest power of two with rows * splits >= this (max 16)
-MIN_MERGE_COLS = 8  # a CTA merges D / S columns: a [64, W] f32 WGMMA-layout tile needs W >= 8
+MERGE_ROWS = 64  # a merge task's head dims: the rows of its [64, 8] f32 WGMMA-layout tiles
+MERGE_COLS = 8  # a merge task's group rows (the tiles' columns)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASK = -1e30  # finite mask value for scores (base-2 units)
 PROFILE_EVENTS = 256  # named-region events per warpgroup and call when profiling
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit wgmma operands
+_MERGE_COL = plgpu.Layout.WGMMA.reduce(0)  # a [8] vector along a merge tile's columns
 
 
 def padded_rows(num_q_heads: int, num_kv_heads: int) -> int:
@@ -70,17 +72,11 @@ def padded_rows(num_q_heads: int, num_kv_heads: int) -> int:
     return -(-g // 8) * 8
 
 
-def max_splits(head_dim: int) -> int:
-    """Largest cluster for head dim D: each CTA merges ``D / S >= 8`` output columns."""
-    return min(SPLITS[-1], head_dim // MIN_MERGE_COLS)
-
-
-def default_splits(num_rows: int, head_dim: int = 128) -> int:
-    """Cluster size for ``num_rows = T * Hkv`` rows: the smallest power of two (<=
-    :func:`max_splits`) with ``num_rows * splits >= 128`` CTAs, so small batches spread their
-    pages over the SMs; clusters of 16 (one page per CTA) only while ``num_rows * 16`` CTAs fit
-    one per SM."""
-    cap = max_splits(head_dim)
+def default_splits(num_rows: int) -> int:
+    """Cluster size for ``num_rows = T * Hkv`` rows: the smallest power of two (<= 16) with
+    ``num_rows * splits >= 128`` CTAs, so small batches spread their pages over the SMs;
+    clusters of 16 (one page per CTA) only while ``num_rows * 16`` CTAs fit one per SM."""
+    cap = SPLITS[-1]
     if num_rows * 16 > NUM_SMS_H200:
         cap = min(cap, 8)
     splits = 1
@@ -92,12 +88,15 @@ def default_splits(num_rows: int, head_dim: int = 128) -> int:
 def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2,
                group: int = ROWS) -> int:
     """Shared memory of one CTA for a GQA group of ``group`` rows (a multiple of 8; default
-    the largest): the K and V rings and P (reused by the split merge: this split's acc, then
-    the peers' columns, m and l), Q, the output/LSE staging, plus a reserve."""
+    the largest): the K and V rings and P (reused by the split merge: this split's state, then
+    a merge task's S tiles and the peers' m and l), Q, the output/LSE staging, plus a
+    reserve."""
     ring = num_stages * 2 * PAGE_SIZE * head_dim * itemsize + group * PAGE_SIZE * itemsize
-    merge = 0 if num_splits == 1 else ROWS * head_dim * 4 + 2 * num_splits * ROWS * 4
+    publish = head_dim * group * 4 + 2 * group * 4
+    gather = num_splits * MERGE_ROWS * MERGE_COLS * 4 + 2 * num_splits * ROWS * 4
+    merge = 0 if num_splits == 1 else max(publish, gather)
     q = group * head_dim * itemsize
-    stage = 0 if num_splits == 1 else ROWS * (head_dim // num_splits) * itemsize
+    stage = 0 if num_splits == 1 else MERGE_COLS * MERGE_ROWS * itemsize
     return max(ring, merge) + q + stage + ROWS * 4 + SMEM_RESERVE
 
 
@@ -134,17 +133,16 @@ def _cluster_fence(_ctx):
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
                  num_cols, scale_log2, dtype, interpreting, pdl):
     s_, ns, d = num_splits, num_stages, head_dim
-    width = d // s_  # output columns merged and written by one CTA
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
     rest = refs[8:]
     if s_ > 1:
-        ohi_ref, olo_ref, mpart_ref, lpart_ref = rest[:4]
-        rest = rest[4:]
+        apart_ref, mpart_ref, lpart_ref = rest[:3]
+        rest = rest[3:]
     q_smem, ring, lse_stage, kbar, vbar, qbar = rest[:6]
     if s_ > 1:  # the ring's memory, reused after the page loop by the split merge
-        (k_smem, v_smem, pt_smem), (hi_smem, lo_smem, mpub_smem, lpub_smem), \
-            (ghi_smem, glo_smem, m_smem, l_smem) = ring
-        o_stage, cbar, mbar = rest[6:]
+        (k_smem, v_smem, pt_smem), (apub_smem, mpub_smem, lpub_smem), \
+            (g_smem, m_smem, l_smem) = ring
+        o_stage, cbar, tbar, mlbar = rest[6:]
     else:
         k_smem, v_smem, pt_smem = ring
 
@@ -274,18 +272,15 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         return
 
-    # Publish this split's state, meet the cluster, merge columns [c*W, (c+1)*W).
-    # acc^T [D, group] f32 leaves as acc [group, D] in two bf16 halves, hi + lo (16 bits of
-    # mantissa): shared memory takes a transposed store of 16-bit values only.
+    # Publish this split's state as it is (acc^T [D, group] f32, m, l), meet the cluster, then
+    # merge tiles of 64 head dims x 8 group rows: task i = (block i // (group / 8) of the head
+    # dim, block i % (group / 8) of the group), tasks c, c + S, ... on CTA c.
     with jax.named_scope("publish"):
-        hi = acc.astype(jnp.bfloat16)
-        hi_smem.transpose((1, 0))[...] = hi
-        lo_smem.transpose((1, 0))[...] = (acc - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+        apub_smem[...] = acc
         mpub_smem[...] = m
         lpub_smem[...] = l
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(hi_smem, ohi_ref.at[t, h, c])
-        plgpu.copy_smem_to_gmem(lo_smem, olo_ref.at[t, h, c])
+        plgpu.copy_smem_to_gmem(apub_smem, apart_ref.at[t, h, c])
         plgpu.copy_smem_to_gmem(mpub_smem, mpart_ref.at[t, h, c, pl.ds(0, group)])
         plgpu.copy_smem_to_gmem(lpub_smem, lpart_ref.at[t, h, c, pl.ds(0, group)])
         plgpu.wait_smem_to_gmem(0)
@@ -294,41 +289,50 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     with jax.named_scope("cluster_wait"):
         plgpu.barrier_wait(cbar)
         _cluster_fence()
-    with jax.named_scope("merge"):  # [64, W] tiles: rows past the group are never stored
-        for k in range(s_):
-            for src, dst in ((ohi_ref, ghi_smem), (olo_ref, glo_smem)):
-                plgpu.copy_gmem_to_smem(src.at[t, h, k, :, pl.ds(c * width, width)],
-                                        dst.at[k, pl.ds(0, group)], mbar)
-        plgpu.copy_gmem_to_smem(mpart_ref.at[t, h], m_smem, mbar)
-        plgpu.copy_gmem_to_smem(lpart_ref.at[t, h], l_smem, mbar)
-        plgpu.barrier_wait(mbar)
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        ms = [plgpu.load(m_smem.at[k], layout=row_layout, optimized=False) for k in range(s_)]
-        m_all = functools.reduce(jnp.maximum, ms)
-        l_all = jnp.zeros_like(m_all)
-        acc_cols = None
-        for k in range(s_):
-            w = jnp.exp2(ms[k] - m_all)
-            l_all = l_all + w * plgpu.load(l_smem.at[k], layout=row_layout, optimized=False)
-            part = sum(plgpu.load(g.at[k], layout=plgpu.Layout.WGMMA,
-                                  optimized=False).astype(jnp.float32)
-                       for g in (ghi_smem, glo_smem))
-            term = part * lax.broadcast_in_dim(w, part.shape, [0])
-            acc_cols = term if acc_cols is None else acc_cols + term
+    col_blocks = group // MERGE_COLS
+    num_tasks = (d // MERGE_ROWS) * col_blocks
 
-    with jax.named_scope("store"):
-        # l == 0 only for a row with no visible key (acc is 0 there); NaN stays NaN.
-        l_div = jnp.where(l_all == 0.0, 1.0, l_all)
-        out = acc_cols / lax.broadcast_in_dim(l_div, acc_cols.shape, [0])
-        lse = jnp.where(l_all == 0.0, -jnp.inf, (m_all + jnp.log2(l_div)) * LN2)
-        o_stage[...] = out.astype(dtype)
-        lse_stage[...] = lse
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_stage.at[pl.ds(0, group)],
-                                o_ref.at[t, h, :, pl.ds(c * width, width)])
-        pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(lse_stage.at[pl.ds(0, group)],
-                                                       lse_ref.at[t, h]))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    def _merge_task(task):
+        rows = pl.ds(lax.div(task, col_blocks) * MERGE_ROWS, MERGE_ROWS)
+        cols = pl.ds(lax.rem(task, col_blocks) * MERGE_COLS, MERGE_COLS)
+        with jax.named_scope("merge"):
+            for k in range(s_):
+                plgpu.copy_gmem_to_smem(apart_ref.at[t, h, k, rows, cols], g_smem.at[k], tbar)
+            plgpu.barrier_wait(tbar)
+            ms = [plgpu.load(m_smem.at[k, cols], layout=_MERGE_COL, optimized=False)
+                  for k in range(s_)]
+            m_all = functools.reduce(jnp.maximum, ms)
+            l_all = jnp.zeros_like(m_all)
+            acc_t = None
+            for k in range(s_):
+                w = jnp.exp2(ms[k] - m_all)
+                l_all = l_all + w * plgpu.load(l_smem.at[k, cols], layout=_MERGE_COL,
+                                               optimized=False)
+                part = plgpu.load(g_smem.at[k], layout=plgpu.Layout.WGMMA, optimized=False)
+                term = part * lax.broadcast_in_dim(w, part.shape, [1])
+                acc_t = term if acc_t is None else acc_t + term
+        with jax.named_scope("store"):
+            # l == 0 only for a row with no visible key (acc is 0 there); NaN stays NaN.
+            l_div = jnp.where(l_all == 0.0, 1.0, l_all)
+            out_t = acc_t / lax.broadcast_in_dim(l_div, acc_t.shape, [1])
+            o_stage.transpose((1, 0))[...] = out_t.astype(dtype)
+            lse_stage.at[pl.ds(0, MERGE_COLS)][...] = jnp.where(
+                l_all == 0.0, -jnp.inf, (m_all + jnp.log2(l_div)) * LN2)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_stage, o_ref.at[t, h, cols, rows])
+            pl.when(lax.div(task, col_blocks) == 0)(lambda: plgpu.copy_smem_to_gmem(
+                lse_stage.at[pl.ds(0, MERGE_COLS)], lse_ref.at[t, h, cols]))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(c < num_tasks)
+    def _merge():
+        with jax.named_scope("merge_ml"):
+            plgpu.copy_gmem_to_smem(mpart_ref.at[t, h], m_smem, mlbar)
+            plgpu.copy_gmem_to_smem(lpart_ref.at[t, h], l_smem, mlbar)
+            plgpu.barrier_wait(mlbar)
+        for n_task in range(-(-num_tasks // s_)):
+            pl.when(c + n_task * s_ < num_tasks)(
+                functools.partial(_merge_task, c + n_task * s_))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
@@ -348,7 +352,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
       scale: softmax scale (static).
       interpret: ``None`` interprets unless the trace targets a GPU; ``True``/``False``; or a
         ``plgpu.InterpretGPUParams``.
-      num_splits: CTAs per (token, KV head) in {1, 2, 4, 8, 16} with ``D / S >= 8`` (a
+      num_splits: CTAs per (token, KV head) in {1, 2, 4, 8, 16} (a
         cluster; merged in the kernel); ``None``: :func:`default_splits`.
       num_stages: TMA ring depth in {1, 2, 3}; ``None``: :func:`default_stages`.
       pdl: launch with programmatic dependent launch: the kernel may start while the previous
@@ -373,12 +377,9 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     g = hq // hkv
     if g > ROWS:
         raise ValueError(f"{name}: GQA group Hq/Hkv = {g} exceeds {ROWS} rows per CTA")
-    splits = default_splits(t * hkv, d) if num_splits is None else num_splits
+    splits = default_splits(t * hkv) if num_splits is None else num_splits
     if splits not in SPLITS:
         raise ValueError(f"{name}: num_splits must be one of {SPLITS}, got {splits}")
-    if splits > max_splits(d):
-        raise ValueError(f"{name}: num_splits {splits} leaves D / S = {d // splits} merge "
-                         f"columns per CTA at D = {d}; needs >= {MIN_MERGE_COLS}")
     stages = default_stages(d, splits, t * hkv) if num_stages is None else num_stages
     if stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
@@ -396,21 +397,18 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     out_type = [jax.ShapeDtypeStruct((t, hkv, gp, d), q.dtype),
                 jax.ShapeDtypeStruct((t, hkv, gp), jnp.float32)]
-    if splits > 1:  # the splits' states: acc's real rows, m, l
-        out_type += [jax.ShapeDtypeStruct((t, hkv, splits, gp, d), jnp.bfloat16),
-                     jax.ShapeDtypeStruct((t, hkv, splits, gp, d), jnp.bfloat16),
+    if splits > 1:  # the splits' states: acc^T [D, group] f32, m, l
+        out_type += [jax.ShapeDtypeStruct((t, hkv, splits, d, gp), jnp.float32),
                      jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32),
                      jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32)]
     ring = (plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # K ring
             plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # V ring
             plgpu.SMEM((gp, PAGE_SIZE), q.dtype, transforms=_TILE))         # P
-    if splits > 1:  # after the page loop: this split's acc, then the peers' columns and m, l
+    if splits > 1:  # after the page loop: this split's state, then the peers' tiles and m, l
         ring = plgpu.RefUnion(
-            ring, (plgpu.SMEM((gp, d), jnp.bfloat16, transforms=_TILE),
-                   plgpu.SMEM((gp, d), jnp.bfloat16, transforms=_TILE),
+            ring, (plgpu.SMEM((d, gp), jnp.float32),
                    plgpu.SMEM((gp,), jnp.float32), plgpu.SMEM((gp,), jnp.float32)),
-            (plgpu.SMEM((splits, ROWS, d // splits), jnp.bfloat16),
-             plgpu.SMEM((splits, ROWS, d // splits), jnp.bfloat16),
+            (plgpu.SMEM((splits, MERGE_ROWS, MERGE_COLS), jnp.float32),
              plgpu.SMEM((splits, ROWS), jnp.float32), plgpu.SMEM((splits, ROWS), jnp.float32)))
     scratch = [
         plgpu.SMEM((gp, d), q.dtype, transforms=_TILE),                     # Q, then out (S=1)
@@ -421,9 +419,10 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         plgpu.Barrier(),
     ]
     if splits > 1:
-        scratch += [plgpu.SMEM((ROWS, d // splits), q.dtype),               # out staging
+        scratch += [plgpu.SMEM((MERGE_COLS, MERGE_ROWS), q.dtype, transforms=_TILE),  # out^T
                     plgpu.ClusterBarrier(collective_axes=("c",)),
-                    plgpu.Barrier(num_arrivals=2 * splits + 2)]  # the merge's TMA copies
+                    plgpu.Barrier(num_arrivals=splits),  # a merge task's S tiles
+                    plgpu.Barrier(num_arrivals=2)]       # the peers' m and l
     # Interpreting skips the kernel's inline fences (inline_mgpu).
     interpret = mosaic_interpret_params(interpret, inline_mgpu="ignore")
     body = functools.partial(
@@ -441,5 +440,5 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     return o[:, :, :g].reshape(t, hq, d), lse[:, :, :g].reshape(t, hq)
 
 
-__all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "max_splits", "smem_bytes",
+__all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "smem_bytes",
            "smem_budget", "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS", "ROWS"]

@@ -28,11 +28,12 @@ import pytest
 from _decode_batch import POISON_V, build_batch
 from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
+from pallas_kernels.sparse_decode_mgpu import ROWS
 from pallas_kernels._lowering import lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode_reference
 from pallas_kernels._shapes import NUM_SMS_H200
-from pallas_kernels.sparse_decode_mgpu import (ROWS, SMEM_BYTES, STAGES, default_splits,
-                                               default_stages, max_splits, smem_budget,
+from pallas_kernels.sparse_decode_mgpu import (SMEM_BYTES, STAGES, default_splits,
+                                               default_stages, smem_budget,
                                                smem_bytes, sparse_decode_mgpu)
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -75,9 +76,10 @@ def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first
 
 
 # (hq, hkv, d, num_splits, num_stages, long_first): the 16/1 D=128 target layout with 16
-# consumed pages; GQA groups of 4 and 6 (padded to 8 rows), two KV heads, D=64; every ring.
+# consumed pages; GQA groups of 4 and 6 (padded to 8 rows), two KV heads, D=64; every ring;
+# a group of 64 on 2 splits (16 merge tasks, 8 per CTA).
 IN_PROCESS = [(16, 1, 128, 1, 3, True), (16, 1, 128, 2, 2, False), (8, 2, 64, 1, 1, False),
-              (12, 2, 64, 2, 1, False)]
+              (12, 2, 64, 2, 1, False), (64, 1, 128, 2, 1, False)]
 BIG_CLUSTERS = [(16, 1, 128, 8, 2, True), (8, 2, 64, 4, 2, False), (16, 1, 128, 16, 1, True),
                 (16, 1, 128, 8, 1, False)]  # the last: B=16's default, one stage
 
@@ -176,7 +178,6 @@ def _specs(t, hq, hkv, d=128, *, pages=4096, rows=128, cols=512, dtype=jnp.bfloa
     (dict(d=32), "head dim D", ValueError),
     (dict(dtype=jnp.float32), "bf16 or f16", TypeError),
     (dict(num_splits=32), "num_splits must be one of", ValueError),
-    (dict(d=64, num_splits=16), "needs >= 8", ValueError),
     (dict(num_stages=4), "num_stages", ValueError),
     (dict(hq=128), "GQA group Hq/Hkv = 128 exceeds 64", ValueError),
     (dict(hq=64, num_splits=1, num_stages=3), "bytes of shared memory", ValueError),
@@ -191,15 +192,11 @@ def test_rejects_unsupported_arguments(kw, match, exc):
 def test_default_config_fits_shared_memory():
     assert [default_splits(r) for r in (1, 4, 8, 9, 16, 63, 64, 65, 128, 512)] == \
         [16, 16, 16, 8, 8, 4, 2, 2, 1, 1]
-    assert [default_splits(r, 64) for r in (1, 8, 9, 16)] == [8, 8, 8, 8]  # D / S >= 8
-    assert (max_splits(128), max_splits(64)) == (16, 8)
     for splits in (1, 2, 4, 8, 16):
         for d in (64, 128):
-            if splits > max_splits(d):
-                continue
             for stages in STAGES:  # every ring fits a group of 16, the merge's reuse included
                 assert smem_bytes(d, stages, splits, group=16) <= SMEM_BYTES
-                merge = ROWS * d * 4 + 2 * splits * ROWS * 4 if splits > 1 else 0
+                merge = d * ROWS * 4 + 2 * ROWS * 4 if splits > 1 else 0  # the published state
                 assert smem_bytes(d, stages, splits) >= max(2 * stages * PAGE_SIZE * d * 2,
                                                             merge)
     assert default_stages(128, 1) == 2 and default_stages(128, 2) == 2  # 2-deep at most
