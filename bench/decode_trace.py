@@ -3,7 +3,7 @@
 Runs ``sparse_decode_mgpu`` with Mosaic GPU's on-device profiler (``profile_dir``): every call
 writes a trace of the kernel's named regions (``pdl_wait``, ``metadata``, ``issue``, ``q_wait``,
 then per page ``k_wait``, ``qk_dot``, ``softmax``, ``p_store``, ``v_wait``, ``pv``, then
-``publish``, ``cluster_wait``, ``merge_ml``, ``merge``, ``store``) per CTA. The traced calls run inside the
+``publish``, ``cluster_wait``, ``merge_issue``, ``merge``, ``store``) per CTA. The traced calls run inside the
 benches' cold-L2 executable (``_common.time_jax``: 512 MiB flush; op), so the kernel sees what
 it sees there.
 

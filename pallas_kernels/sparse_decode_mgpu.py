@@ -17,8 +17,9 @@ With ``S > 1`` each CTA publishes its unnormalised state in outputs by TMA as it
 (``acc^T [D, group]``, ``m``, ``l``, f32), the cluster meets at a cluster barrier (with
 acquire/release fences), and the split merge happens inside the kernel in tasks of 64 head
 dims x 8 group rows (``D / 64 * group / 8`` tasks; CTA ``c`` takes tasks ``c, c + S, ...``):
-a task gathers its ``[64, 8]`` tile of the ``S`` states by TMA into the finished ring,
-merges them and writes the output's ``[8, 64]`` block, transposed through shared memory.
+a CTA issues the TMA gathers of all its tasks' ``[64, 8]`` tiles of the ``S`` states (and the
+peers' ``m``, ``l``) into the finished ring at once, then merges each task and writes the
+output's ``[8, 64]`` block, transposed through shared memory.
 Outputs leave through shared memory by TMA, only the group's real rows. With ``pdl`` (the
 default) the kernel is launched with programmatic dependent launch: it waits for the previous
 kernel's writes (``griddepcontrol.wait``) before its first input read and lets the next kernel
@@ -85,15 +86,21 @@ def default_splits(num_rows: int) -> int:
     return splits
 
 
+def merge_tasks(head_dim: int, group: int, num_splits: int) -> int:
+    """Merge tasks of one CTA: ``ceil(D / 64 * group / 8 / S)`` (``group`` padded to 8)."""
+    return -(-(head_dim // MERGE_ROWS) * (group // MERGE_COLS) // num_splits)
+
+
 def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2,
                group: int = ROWS) -> int:
     """Shared memory of one CTA for a GQA group of ``group`` rows (a multiple of 8; default
     the largest): the K and V rings and P (reused by the split merge: this split's state, then
-    a merge task's S tiles and the peers' m and l), Q, the output/LSE staging, plus a
-    reserve."""
+    the S tiles of each of its merge tasks and the peers' m and l), Q, the output/LSE staging,
+    plus a reserve."""
     ring = num_stages * 2 * PAGE_SIZE * head_dim * itemsize + group * PAGE_SIZE * itemsize
     publish = head_dim * group * 4 + 2 * group * 4
-    gather = num_splits * MERGE_ROWS * MERGE_COLS * 4 + 2 * num_splits * ROWS * 4
+    tiles = merge_tasks(head_dim, group, num_splits) * num_splits
+    gather = tiles * MERGE_ROWS * MERGE_COLS * 4 + 2 * num_splits * ROWS * 4
     merge = 0 if num_splits == 1 else max(publish, gather)
     q = group * head_dim * itemsize
     stage = 0 if num_splits == 1 else MERGE_COLS * MERGE_ROWS * itemsize
@@ -291,14 +298,22 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         _cluster_fence()
     col_blocks = group // MERGE_COLS
     num_tasks = (d // MERGE_ROWS) * col_blocks
+    my_tasks = merge_tasks(d, group, s_)
 
-    def _merge_task(task):
+    def _gather(n):  # the S tiles of my n-th task (task c + n * S) into g_smem.at[n * S + k]
+        task = c + n * s_
+        rows = pl.ds(lax.div(task, col_blocks) * MERGE_ROWS, MERGE_ROWS)
+        cols = pl.ds(lax.rem(task, col_blocks) * MERGE_COLS, MERGE_COLS)
+        for k in range(s_):
+            plgpu.copy_gmem_to_smem(apart_ref.at[t, h, k, rows, cols], g_smem.at[n * s_ + k],
+                                    tbar.at[n])
+
+    def _merge_task(n):
+        task = c + n * s_
         rows = pl.ds(lax.div(task, col_blocks) * MERGE_ROWS, MERGE_ROWS)
         cols = pl.ds(lax.rem(task, col_blocks) * MERGE_COLS, MERGE_COLS)
         with jax.named_scope("merge"):
-            for k in range(s_):
-                plgpu.copy_gmem_to_smem(apart_ref.at[t, h, k, rows, cols], g_smem.at[k], tbar)
-            plgpu.barrier_wait(tbar)
+            plgpu.barrier_wait(tbar.at[n])
             ms = [plgpu.load(m_smem.at[k, cols], layout=_MERGE_COL, optimized=False)
                   for k in range(s_)]
             m_all = functools.reduce(jnp.maximum, ms)
@@ -308,13 +323,15 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
                 w = jnp.exp2(ms[k] - m_all)
                 l_all = l_all + w * plgpu.load(l_smem.at[k, cols], layout=_MERGE_COL,
                                                optimized=False)
-                part = plgpu.load(g_smem.at[k], layout=plgpu.Layout.WGMMA, optimized=False)
+                part = plgpu.load(g_smem.at[n * s_ + k], layout=plgpu.Layout.WGMMA,
+                                  optimized=False)
                 term = part * lax.broadcast_in_dim(w, part.shape, [1])
                 acc_t = term if acc_t is None else acc_t + term
         with jax.named_scope("store"):
             # l == 0 only for a row with no visible key (acc is 0 there); NaN stays NaN.
             l_div = jnp.where(l_all == 0.0, 1.0, l_all)
             out_t = acc_t / lax.broadcast_in_dim(l_div, acc_t.shape, [1])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous task's staging
             o_stage.transpose((1, 0))[...] = out_t.astype(dtype)
             lse_stage.at[pl.ds(0, MERGE_COLS)][...] = jnp.where(
                 l_all == 0.0, -jnp.inf, (m_all + jnp.log2(l_div)) * LN2)
@@ -322,17 +339,18 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             plgpu.copy_smem_to_gmem(o_stage, o_ref.at[t, h, cols, rows])
             pl.when(lax.div(task, col_blocks) == 0)(lambda: plgpu.copy_smem_to_gmem(
                 lse_stage.at[pl.ds(0, MERGE_COLS)], lse_ref.at[t, h, cols]))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(c < num_tasks)
     def _merge():
-        with jax.named_scope("merge_ml"):
+        with jax.named_scope("merge_issue"):  # every copy of my merge in flight at once
             plgpu.copy_gmem_to_smem(mpart_ref.at[t, h], m_smem, mlbar)
             plgpu.copy_gmem_to_smem(lpart_ref.at[t, h], l_smem, mlbar)
+            for n in range(my_tasks):
+                pl.when(c + n * s_ < num_tasks)(functools.partial(_gather, n))
             plgpu.barrier_wait(mlbar)
-        for n_task in range(-(-num_tasks // s_)):
-            pl.when(c + n_task * s_ < num_tasks)(
-                functools.partial(_merge_task, c + n_task * s_))
+        for n in range(my_tasks):
+            pl.when(c + n * s_ < num_tasks)(functools.partial(_merge_task, n))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
@@ -408,7 +426,8 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         ring = plgpu.RefUnion(
             ring, (plgpu.SMEM((d, gp), jnp.float32),
                    plgpu.SMEM((gp,), jnp.float32), plgpu.SMEM((gp,), jnp.float32)),
-            (plgpu.SMEM((splits, MERGE_ROWS, MERGE_COLS), jnp.float32),
+            (plgpu.SMEM((merge_tasks(d, gp, splits) * splits, MERGE_ROWS, MERGE_COLS),
+                        jnp.float32),
              plgpu.SMEM((splits, ROWS), jnp.float32), plgpu.SMEM((splits, ROWS), jnp.float32)))
     scratch = [
         plgpu.SMEM((gp, d), q.dtype, transforms=_TILE),                     # Q, then out (S=1)
@@ -421,7 +440,8 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     if splits > 1:
         scratch += [plgpu.SMEM((MERGE_COLS, MERGE_ROWS), q.dtype, transforms=_TILE),  # out^T
                     plgpu.ClusterBarrier(collective_axes=("c",)),
-                    plgpu.Barrier(num_arrivals=splits),  # a merge task's S tiles
+                    plgpu.Barrier(num_arrivals=splits,  # each merge task's S tiles
+                                  num_barriers=merge_tasks(d, gp, splits)),
                     plgpu.Barrier(num_arrivals=2)]       # the peers' m and l
     # Interpreting skips the kernel's inline fences (inline_mgpu).
     interpret = mosaic_interpret_params(interpret, inline_mgpu="ignore")
@@ -441,4 +461,4 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
 
 
 __all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "smem_bytes",
-           "smem_budget", "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS", "ROWS"]
+           "smem_budget", "merge_tasks", "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS", "ROWS"]
