@@ -47,8 +47,9 @@ def _specs(t, hq, hkv, d=128, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("t,hq,hkv,dtype,want", [
     (1, 16, 1, jnp.bfloat16, "mosaic"), (4, 64, 4, jnp.bfloat16, "mosaic"),
     (16, 16, 1, jnp.bfloat16, "mosaic"), (16, 64, 4, jnp.bfloat16, "mosaic"),
-    (17, 64, 4, jnp.bfloat16, "triton"),
-    (128, 16, 1, jnp.bfloat16, "triton"), (1, 16, 1, jnp.float32, "triton"),
+    (32, 64, 4, jnp.bfloat16, "mosaic"), (128, 16, 1, jnp.bfloat16, "mosaic"),
+    (33, 64, 4, jnp.bfloat16, "triton"), (129, 16, 1, jnp.bfloat16, "triton"),
+    (1, 16, 1, jnp.float32, "triton"),
 ])
 def test_lowers_to_the_chosen_kernel_for_h200(t, hq, hkv, dtype, want):
     """Compiled for an H200 (``interpret=None`` under an abstract H200 mesh), the call lowers

@@ -28,12 +28,11 @@ import pytest
 from _decode_batch import POISON_V, build_batch
 from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
-from pallas_kernels.sparse_decode_mgpu import ROWS
 from pallas_kernels._lowering import lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode_reference
 from pallas_kernels._shapes import NUM_SMS_H200
-from pallas_kernels.sparse_decode_mgpu import (SMEM_BYTES, STAGES, default_splits,
-                                               default_stages, smem_budget,
+from pallas_kernels.sparse_decode_mgpu import (ROWS, SMEM_BYTES, STAGES, default_splits,
+                                               default_stages, merge_tasks, smem_budget,
                                                smem_bytes, sparse_decode_mgpu)
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -199,6 +198,10 @@ def test_default_config_fits_shared_memory():
                 merge = d * ROWS * 4 + 2 * ROWS * 4 if splits > 1 else 0  # the published state
                 assert smem_bytes(d, stages, splits) >= max(2 * stages * PAGE_SIZE * d * 2,
                                                             merge)
+    # merge tasks of 64 head dims x 8 group rows, spread over the S CTAs
+    assert [merge_tasks(128, 16, 16), merge_tasks(128, 64, 2), merge_tasks(64, 8, 16),
+            merge_tasks(128, 24, 4)] == [1, 8, 1, 2]
+    assert smem_bytes(128, 1, 2) >= 8 * 2 * 64 * 8 * 4  # a group of 64 on 2 splits: 16 tiles
     assert default_stages(128, 1) == 2 and default_stages(128, 2) == 2  # 2-deep at most
     assert default_stages(128, 8) == 2  # both pages of a split in flight
     assert default_stages(128, 16) == 1  # one page per CTA
