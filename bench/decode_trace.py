@@ -3,9 +3,9 @@
 Runs ``sparse_decode_mgpu`` with Mosaic GPU's on-device profiler (``profile_dir``): every call
 writes a trace of the kernel's named regions (``pdl_wait``, ``metadata``, ``issue``, ``q_wait``,
 then per page ``k_wait``, ``qk_dot``, ``softmax``, ``p_store``, ``v_wait``, ``pv``, then
-``publish``, ``cluster_wait``, ``merge_issue``, ``merge``, ``store``) per CTA. The traced calls run inside the
-benches' cold-L2 executable (``_common.time_jax``: 512 MiB flush; op), so the kernel sees what
-it sees there.
+``publish``, ``cluster_wait``, ``merge_issue``, ``merge``, ``store``) per CTA. The traced calls
+run inside the benches' cold-L2 executable (``_common.time_jax``: 512 MiB flush; op), so the
+kernel sees what it sees there.
 
 Per shape and variant it reports, as the median over calls of each call's median (and max) over
 CTAs: when a region first starts after the CTA's first event, its total duration per CTA, and
