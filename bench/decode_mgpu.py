@@ -41,7 +41,7 @@ from _shapes_inputs import HEAD_DIM, Shape, all_shapes  # noqa: E402
 from pallas_kernels import PAGE_SIZE, TOPK  # noqa: E402
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference  # noqa: E402
 from pallas_kernels.sparse_decode_mgpu import (SPLITS, STAGES, default_splits,  # noqa: E402
-                                               default_stages, smem_bytes,
+                                               default_stages, padded_rows, smem_bytes,
                                                SMEM_BYTES, sparse_decode_mgpu)
 
 SCALE = HEAD_DIM ** -0.5
@@ -116,6 +116,14 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
 }
 
 
+def sweep_configs(hq: int, hkv: int) -> list[tuple[int, int]]:
+    """(num_splits, num_stages) pairs ``--sweep`` times: rings no deeper than a split's pages
+    whose shared memory, for this shape's GQA group (padded to 8 rows), fits the SM."""
+    group = padded_rows(hq, hkv)
+    return [(s, st) for s in SPLITS for st in STAGES
+            if st <= -(-TOPK // s) and smem_bytes(HEAD_DIM, st, s, group=group) <= SMEM_BYTES]
+
+
 def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool,
                 variants: list[str]) -> dict:
     args = make_inputs(shape, seed)
@@ -140,17 +148,13 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool,
         row["speedup_vs_triton"] = row["triton"]["us"] / row["mgpu"]["us"]
     if sweep:
         row["sweep"] = []
-        for s in SPLITS:
-            for st in STAGES:
-                if (st > -(-TOPK // s)
-                        or smem_bytes(HEAD_DIM, st, s) > SMEM_BYTES):
-                    continue
-                try:
-                    t = time_op(mgpu_fn(num_splits=s, num_stages=st), args, reps=reps,
-                                trials=max(1, trials // 2))["us"]
-                except Exception as e:
-                    t = f"{type(e).__name__}: {str(e)[:200]}"
-                row["sweep"].append(dict(num_splits=s, num_stages=st, us=t))
+        for s, st in sweep_configs(shape.hq, shape.hkv):
+            try:
+                t = time_op(mgpu_fn(num_splits=s, num_stages=st), args, reps=reps,
+                            trials=max(1, trials // 2))["us"]
+            except Exception as e:
+                t = f"{type(e).__name__}: {str(e)[:200]}"
+            row["sweep"].append(dict(num_splits=s, num_stages=st, us=t))
     del args, ref
     return row
 

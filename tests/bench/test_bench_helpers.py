@@ -295,3 +295,14 @@ def test_decode_trace_summary_of_a_made_up_profile():
     assert call["ctas"] == 2 and call["regions"]["k_wait"]["begin_us"] == pytest.approx(1.0)
     both = decode_trace.median_over_calls([call, call])
     assert both["regions"]["metadata"]["total_us"] == pytest.approx(1.5)
+
+
+def test_decode_mgpu_sweep_fits_each_shapes_group():
+    """decode_mgpu.py --sweep judges shared memory by the shape's own GQA group: a 3-deep ring
+    on one split fits a group of 16 (the 16/1 and 64/4 shapes) but not one of 64."""
+    import decode_mgpu
+    configs = decode_mgpu.sweep_configs(16, 1)
+    assert (1, 3) in configs and (16, 1) in configs and (16, 2) not in configs  # 1 page
+    assert decode_mgpu.sweep_configs(64, 4) == configs
+    assert (1, 3) not in decode_mgpu.sweep_configs(64, 1)
+    assert all(st <= -(-16 // s) for s, st in configs)
