@@ -49,7 +49,7 @@ from pallas_kernels._interpret import mosaic_interpret_params
 from pallas_kernels._shapes import NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK
 from pallas_kernels.sparse_decode import validate_inputs
 
-ROWS = 64  # the largest GQA group, and the rows of the split merge's WGMMA tiles
+ROWS = 64  # the largest GQA group; the length of the published m and l rows and the lse staging
 SPLITS = (1, 2, 4, 8, 16)  # cluster sizes (16: a non-portable size, which Hopper allows)
 STAGES = (1, 2, 3)
 MAX_DEFAULT_STAGES = 2  # a 2-deep ring measured faster than a 3-deep one (bench/RESULTS.md)
