@@ -137,6 +137,15 @@ def _cluster_fence(_ctx):
     mgpu_utils.warpgroup_barrier()
 
 
+def _normalise(acc_t, m, l):
+    """(out^T, lse) of an unnormalised state: ``acc_t [D', G]`` f32 divided by ``l [G]``,
+    ``lse = (m + log2 l) * ln 2``. ``l == 0`` only for a row with no visible key (acc is 0
+    there): zeros and -inf; NaN stays NaN."""
+    l_div = jnp.where(l == 0.0, 1.0, l)
+    out_t = acc_t / lax.broadcast_in_dim(l_div, acc_t.shape, [1])
+    return out_t, jnp.where(l == 0.0, -jnp.inf, (m + jnp.log2(l_div)) * LN2)
+
+
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
                  num_cols, scale_log2, dtype, interpreting, pdl):
     s_, ns, d = num_splits, num_stages, head_dim
@@ -267,12 +276,9 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
     if s_ == 1:
         with jax.named_scope("store"):
-            # l == 0 only for a row with no visible key (acc is 0 there); NaN stays NaN.
-            l_div = jnp.where(l == 0.0, 1.0, l)
-            out_t = acc / lax.broadcast_in_dim(l_div, acc.shape, [1])
+            out_t, lse = _normalise(acc, m, l)
             q_smem.transpose((1, 0))[...] = out_t.astype(dtype)  # Q is no longer read
-            lse_stage.at[pl.ds(0, group)][...] = jnp.where(
-                l == 0.0, -jnp.inf, (m + jnp.log2(l_div)) * LN2)
+            lse_stage.at[pl.ds(0, group)][...] = lse
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, o_ref.at[t, h])
             plgpu.copy_smem_to_gmem(lse_stage.at[pl.ds(0, group)], lse_ref.at[t, h])
@@ -300,18 +306,20 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     num_tasks = (d // MERGE_ROWS) * col_blocks
     my_tasks = merge_tasks(d, group, s_)
 
-    def _gather(n):  # the S tiles of my n-th task (task c + n * S) into g_smem.at[n * S + k]
+    def _tile(n):
+        """(task, head-dim rows, group columns) of my n-th task, task c + n * S."""
         task = c + n * s_
-        rows = pl.ds(lax.div(task, col_blocks) * MERGE_ROWS, MERGE_ROWS)
-        cols = pl.ds(lax.rem(task, col_blocks) * MERGE_COLS, MERGE_COLS)
+        return (task, pl.ds(lax.div(task, col_blocks) * MERGE_ROWS, MERGE_ROWS),
+                pl.ds(lax.rem(task, col_blocks) * MERGE_COLS, MERGE_COLS))
+
+    def _gather(n):  # the S tiles of my n-th task into g_smem.at[n * S + k]
+        _, rows, cols = _tile(n)
         for k in range(s_):
             plgpu.copy_gmem_to_smem(apart_ref.at[t, h, k, rows, cols], g_smem.at[n * s_ + k],
                                     tbar.at[n])
 
     def _merge_task(n):
-        task = c + n * s_
-        rows = pl.ds(lax.div(task, col_blocks) * MERGE_ROWS, MERGE_ROWS)
-        cols = pl.ds(lax.rem(task, col_blocks) * MERGE_COLS, MERGE_COLS)
+        task, rows, cols = _tile(n)
         with jax.named_scope("merge"):
             plgpu.barrier_wait(tbar.at[n])
             ms = [plgpu.load(m_smem.at[k, cols], layout=_MERGE_COL, optimized=False)
@@ -328,13 +336,10 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
                 term = part * lax.broadcast_in_dim(w, part.shape, [1])
                 acc_t = term if acc_t is None else acc_t + term
         with jax.named_scope("store"):
-            # l == 0 only for a row with no visible key (acc is 0 there); NaN stays NaN.
-            l_div = jnp.where(l_all == 0.0, 1.0, l_all)
-            out_t = acc_t / lax.broadcast_in_dim(l_div, acc_t.shape, [1])
+            out_t, lse = _normalise(acc_t, m_all, l_all)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous task's staging
             o_stage.transpose((1, 0))[...] = out_t.astype(dtype)
-            lse_stage.at[pl.ds(0, MERGE_COLS)][...] = jnp.where(
-                l_all == 0.0, -jnp.inf, (m_all + jnp.log2(l_div)) * LN2)
+            lse_stage.at[pl.ds(0, MERGE_COLS)][...] = lse
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_stage, o_ref.at[t, h, cols, rows])
             pl.when(lax.div(task, col_blocks) == 0)(lambda: plgpu.copy_smem_to_gmem(
