@@ -5,19 +5,20 @@ fused one (``msa_index_select``), bf16 (or e4m3 with ``--fp8``), at the 16 shape
 For each shape: whether the selections agree (as sets per row; they are computed from the
 same f32 scores, so they should be identical), the XLA kernel count of each op, and the
 cold-L2 time of each (``_common.time_jax``: one executable of (512 MiB flush; op) dispatched
-``--reps`` times minus the flush-only executable, median of ``--trials``). ``--ppp`` adds a
-Mosaic variant per pages-per-CTA value; ``--sweep`` is ``--ppp 1,2,4,8,16``. ``--parts`` times
+``--reps`` times minus the flush-only executable, median of ``--trials``). ``--grid`` adds
+Mosaic variants of the scores kernel's launch (grid size, ring depth). ``--parts`` times
 the two halves on their own instead (the DCP path's calls): the scores (``msa_index_scores``
 against ``msa_index_scores_mgpu``, their largest difference) and the select over the same f32
 scores (``sparse_topk_select`` against ``sparse_topk_select_mgpu``, agreement).
 
 Usage (GPU machine): python3 bench/index_select_mgpu.py --out FILE.json [--shapes 0,1,8]
-  [--sweep] [--ppp 1,2] [--fp8] [--parts] [--reps 100] [--trials 3]
+  [--grid 'ctas=0,528;ns=2,3|ns=4'] [--fp8] [--parts] [--reps 100] [--trials 3]
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import time
 
@@ -43,8 +44,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="", help="indices into bench/kernels.py's 16 shapes")
     ap.add_argument("--reps", type=positive_int, default=100)
     ap.add_argument("--trials", type=positive_int, default=3)
-    ap.add_argument("--sweep", action="store_true", help="the same as --ppp 1,2,4,8,16")
-    ap.add_argument("--ppp", default="", help="more Mosaic variants: pages per CTA, e.g. 1,2")
+    ap.add_argument("--grid", default="",
+                    help="more Mosaic variants: every combination of 'ctas=0,528;ns=2,3' (the "
+                         "scores kernel's CTAs, 0 for the default; its ring depth), parts "
+                         "joined by |")
     ap.add_argument("--fp8", action="store_true",
                     help="e4m3 index queries over an e4m3 index-K cache on both kernels")
     ap.add_argument("--parts", action="store_true",
@@ -58,10 +61,7 @@ def main(argv=None) -> int:
                   method=_common.timer_description("cold", a.reps),
                   index_dtype="float8_e4m3fn" if a.fp8 else "bfloat16", rows=[])
     variants = {"triton": msa_index_select, "mgpu": msa_index_select_mgpu}
-    ppps = "1,2,4,8,16" if a.sweep else a.ppp
-    for ppp in (int(v) for v in ppps.split(",") if v):
-        variants[f"mgpu_ppp{ppp}"] = functools.partial(msa_index_select_mgpu,
-                                                       pages_per_program=ppp)
+    variants.update(grid_variants(a.grid))
     for shape in shapes:
         x = make_inputs(shape, 0)
         if a.fp8:
@@ -77,6 +77,22 @@ def main(argv=None) -> int:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def grid_variants(spec: str) -> dict:
+    """``msa_index_select_mgpu`` variants: every combination within each ``|``-separated part
+    of a ``--grid`` spec (``ctas`` the scores kernel's grid, 0 for its default; ``ns`` its ring
+    depth)."""
+    keys = dict(ctas="num_ctas", ns="num_stages")
+    variants = {}
+    for part in (p for p in spec.split("|") if p):
+        axes = [(k, [int(v) for v in vals.split(",")])
+                for k, vals in (kv.split("=") for kv in part.split(";") if kv)]
+        for combo in itertools.product(*(vals for _, vals in axes)):
+            kw = {keys[k]: v for (k, _), v in zip(axes, combo) if not (k == "ctas" and v == 0)}
+            name = "mgpu_" + "_".join(f"{k}{v}" for (k, _), v in zip(axes, combo))
+            variants[name] = functools.partial(msa_index_select_mgpu, **kw)
+    return variants
 
 
 def summary(row: dict) -> str:

@@ -3,7 +3,7 @@
 Subcommands (driven by `bench/kernel_profile.sh` on the GPU machine):
   target  runs, for each shape of --shapes (indices into bench/_shapes_inputs.all_shapes), our
           fused indexer+select, our separate scores and select kernels, the Mosaic GPU
-          indexer+select (--mgpu-ppp pages per scores CTA), our decode, then
+          indexer+select (--mgpu-ctas: its scores kernel's grid), our decode, then
           vLLM's indexer and decode, each --launches times, in that order; writes the plan to
           --out/plan.json. Run it under ncu with the kernel filter of kernel_profile.sh.
   table   reads ncu's CSV (--csv --page raw) and the plan, and writes a markdown table of the
@@ -77,7 +77,7 @@ def target(args) -> int:
                                                           topk=TOPK, **_common.PALLAS_KW))
     mgpu_fn = jax.jit(lambda x: msa_index_select_mgpu(
         x["index_q"], x["index_k"], x["block_table"], x["req_indices"], x["positions"],
-        pages_per_program=args.mgpu_ppp))
+        num_ctas=args.mgpu_ctas))
     indexer, decode = jax.jit(our_indexer), jax.jit(our_decode)
     n = args.launches
     marker = _marker()
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     t.add_argument("--shapes", default="0,1,2,5,7,9")
     t.add_argument("--launches", type=_common.positive_int, default=3)
     t.add_argument("--vllm-ops", default=".vllm_ops")
-    t.add_argument("--mgpu-ppp", type=_common.positive_int, default=None)
+    t.add_argument("--mgpu-ctas", type=_common.positive_int, default=None)
     t.add_argument("--seed", type=_common.non_negative_int, default=0)
     t.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     s = sub.add_parser("table")

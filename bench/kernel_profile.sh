@@ -2,7 +2,7 @@
 # One H200 device call (carry .vllm_ops): kernel durations of ours and vLLM's indexer and
 # decode under Nsight Compute at small and large shapes (bench/kernel_profile.py).
 # Usage (device tool): bash bench/kernel_profile.sh [shape indices, default 0,1,2,5,7,9]
-#   [more `kernel_profile.py target` flags, e.g. --mgpu-ppp 1]
+#   [more `kernel_profile.py target` flags, e.g. --mgpu-ctas 264]
 # $OUT gets ncu.csv (raw metrics), ncu_run.log, kernel_profile.md/.json (the table).
 set -uo pipefail
 cd "$(dirname "$0")/.."

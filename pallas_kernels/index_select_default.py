@@ -5,17 +5,13 @@ Each default computes the same thing as its Triton kernel (same arguments, resul
 boundary and reference); bench/RESULTS.md has the H200 measurements behind each rule. A rule
 picks a Mosaic GPU kernel (:mod:`pallas_kernels.index_select_mgpu`, launched with programmatic
 dependent launch) only for compiled calls whose dtypes (bf16, f16, or e4m3 queries over an
-e4m3 cache), head count, index dim and page count it supports; interpreted calls (a CPU
-backend) run the Triton kernels unless ``backend`` names one.
+e4m3 cache), head count and index dim it supports; interpreted calls (a CPU backend) run the
+Triton kernels unless ``backend`` names one.
 
-- :func:`index_backend` (indexer + select): ``"mosaic"`` (the scores kernel and the select,
-  two Mosaic launches) for at most :data:`MOSAIC_MAX_TOKENS` tokens, except that 16-bit calls
-  of 2 to 16 tokens whose block table is a whole number of 128-page tiles run ``"mixed"``
-  (the Triton scores kernel, then the Mosaic select: Triton's scores kernel is the faster
-  one there, and no pad is needed before the select); ``"triton"`` (one fused launch after a
-  counter memset) above.
-- :func:`scores_backend` (scores alone): Mosaic for one token in 16 bits and up to
-  :data:`MOSAIC_MAX_TOKENS` tokens in e4m3, Triton otherwise.
+- :func:`index_backend` (indexer + select): ``"mosaic"`` (the streaming scores kernel and the
+  select, two Mosaic launches) for block tables of at most ``MAX_PAGES`` columns;
+  ``"triton"`` (one fused launch after a counter memset) otherwise.
+- :func:`scores_backend` (scores alone): Mosaic wherever it is supported, Triton otherwise.
 - :func:`select_backend` (select alone): Mosaic for ``topk`` 16 and up to
   :data:`MOSAIC_MAX_SELECT_TOKENS` tokens, Triton otherwise.
 """
@@ -30,15 +26,13 @@ from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._shapes import TOPK
 from pallas_kernels.index_scores import msa_index_scores, validate_index_inputs
 from pallas_kernels.index_select import msa_index_select
-from pallas_kernels.index_select_mgpu import (DTYPES, HEAD_DIMS, MAX_HEADS, MAX_PAGES, ROW_TILE,
+from pallas_kernels.index_select_mgpu import (DTYPES, HEAD_DIMS, MAX_HEADS, MAX_PAGES,
                                               msa_index_scores_mgpu, msa_index_select_mgpu,
                                               sparse_topk_select_mgpu)
 from pallas_kernels.topk_select import sparse_topk_select, validate_scores
 
-MOSAIC_MAX_TOKENS = 16  # tokens up to which the indexer (and e4m3 scores) run on Mosaic GPU
 MOSAIC_MAX_SELECT_TOKENS = 64  # tokens up to which the select alone runs on Mosaic GPU
-BACKENDS = ("mosaic", "mixed", "triton")
-_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+BACKENDS = ("mosaic", "triton")
 
 
 def _mosaic_scores_ok(num_heads: int, index_dim: int, q_dtype, k_dtype) -> bool:
@@ -46,25 +40,20 @@ def _mosaic_scores_ok(num_heads: int, index_dim: int, q_dtype, k_dtype) -> bool:
             and num_heads <= MAX_HEADS and index_dim in HEAD_DIMS)
 
 
-def index_backend(num_tokens: int, max_pages: int, num_heads: int, index_dim: int, q_dtype,
-                  k_dtype, *, interpreting: bool) -> str:
-    """``"mosaic"``, ``"mixed"`` or ``"triton"`` for an indexer + select call of
-    ``num_tokens`` tokens and ``num_heads`` index heads over a block table of ``max_pages``
-    columns (see the module docstring)."""
-    if (interpreting or num_tokens > MOSAIC_MAX_TOKENS or max_pages > MAX_PAGES
+def index_backend(max_pages: int, num_heads: int, index_dim: int, q_dtype, k_dtype, *,
+                  interpreting: bool) -> str:
+    """``"mosaic"`` or ``"triton"`` for an indexer + select call of ``num_heads`` index heads
+    over a block table of ``max_pages`` columns (see the module docstring)."""
+    if (interpreting or max_pages > MAX_PAGES
             or not _mosaic_scores_ok(num_heads, index_dim, q_dtype, k_dtype)):
         return "triton"
-    if jnp.dtype(q_dtype) != _FP8 and num_tokens > 1 and max_pages % ROW_TILE == 0:
-        return "mixed"
     return "mosaic"
 
 
-def scores_backend(num_tokens: int, num_heads: int, index_dim: int, q_dtype, k_dtype, *,
+def scores_backend(num_heads: int, index_dim: int, q_dtype, k_dtype, *,
                    interpreting: bool) -> str:
     """``"mosaic"`` or ``"triton"`` for a scores call (see the module docstring)."""
-    most = MOSAIC_MAX_TOKENS if jnp.dtype(q_dtype) == _FP8 else 1
-    if (interpreting or num_tokens > most
-            or not _mosaic_scores_ok(num_heads, index_dim, q_dtype, k_dtype)):
+    if interpreting or not _mosaic_scores_ok(num_heads, index_dim, q_dtype, k_dtype):
         return "triton"
     return "mosaic"
 
@@ -98,20 +87,13 @@ def msa_index_select_default(index_q, index_k_cache, block_table, req_indices, p
     validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
     t, h, di = index_q.shape
     if backend is None:
-        backend = index_backend(t, block_table.shape[1], h, di, index_q.dtype,
+        backend = index_backend(block_table.shape[1], h, di, index_q.dtype,
                                 index_k_cache.dtype, interpreting=resolve_interpret(interpret))
     kw = dict(local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)
     args = (index_q, index_k_cache, block_table, req_indices, positions)
-    match _checked(backend, BACKENDS, "msa_index_select_default"):
-        case "mosaic":
-            return msa_index_select_mgpu(*args, num_valid_pages, **kw)
-        case "triton":
-            return msa_index_select(*args, num_valid_pages, **kw)
-        case "mixed":
-            scores = msa_index_scores(*args, interpret=interpret)
-            given = num_valid_pages is not None
-            return sparse_topk_select_mgpu(scores, num_valid_pages if given else positions,
-                                           counts_are_positions=not given, **kw)
+    if _checked(backend, BACKENDS, "msa_index_select_default") == "mosaic":
+        return msa_index_select_mgpu(*args, num_valid_pages, **kw)
+    return msa_index_select(*args, num_valid_pages, **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "backend"))
@@ -123,7 +105,7 @@ def msa_index_scores_default(index_q, index_k_cache, block_table, req_indices, p
     validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
     t, h, di = index_q.shape
     if backend is None:
-        backend = scores_backend(t, h, di, index_q.dtype, index_k_cache.dtype,
+        backend = scores_backend(h, di, index_q.dtype, index_k_cache.dtype,
                                  interpreting=resolve_interpret(interpret))
     kernel = {"mosaic": msa_index_scores_mgpu, "triton": msa_index_scores}[
         _checked(backend, ("mosaic", "triton"), "msa_index_scores_default")]
@@ -149,5 +131,5 @@ def sparse_topk_select_default(scores, num_valid_pages, *, topk=TOPK, local_bloc
 
 
 __all__ = ["msa_index_select_default", "msa_index_scores_default", "sparse_topk_select_default",
-           "index_backend", "scores_backend", "select_backend", "MOSAIC_MAX_TOKENS",
-           "MOSAIC_MAX_SELECT_TOKENS", "BACKENDS"]
+           "index_backend", "scores_backend", "select_backend", "MOSAIC_MAX_SELECT_TOKENS",
+           "BACKENDS"]

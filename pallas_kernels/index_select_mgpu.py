@@ -7,15 +7,17 @@ kernels: :func:`pallas_kernels.index_select.msa_index_select`), :func:`msa_index
 :func:`sparse_topk_select_mgpu` (the select alone:
 :func:`pallas_kernels.topk_select.sparse_topk_select`).
 
-Scores kernel: grid ``(T, C)``, one warpgroup per CTA; CTA ``(t, c)`` owns the pages
-``[c * ppp, (c + 1) * ppp)`` of token t below its ``nvp = positions // 128 + 1``. It builds the
-dot's 64 rows from the token's H query rows (row r holds head ``r % H``), streams its index-K
-pages through a TMA ring (the page id a dynamic coordinate, read from the block table when the
-copy is issued) and takes ``S = Q K^T`` with wgmma. The causal mask keeps keys
-``b * 128 + i <= position``; the block score of head h is row h's max. The chunk's scores go
-to f32 ``[T, H, width]`` (head-major; for the select ``width`` is a multiple of 128, alone it is
-P); pages at or past ``nvp`` score -inf, as in the Triton indexer (a given
-``num_valid_pages`` may count them).
+Scores kernel: grid ``(G,)``, one warpgroup per CTA, a persistent stream: the ``W = T * P``
+(token, block-table column) items are split into G contiguous ranges, one per CTA, so every
+CTA streams about ``W / G`` index-K pages through one TMA ring (the page id a dynamic
+coordinate, read from the block table when the copy is issued), across token boundaries. An
+item whose column is at or past the token's ``nvp = positions // 128 + 1`` is not read; it
+scores -inf, as in the Triton indexer (a given ``num_valid_pages`` may count it). A read item
+takes ``S^T = K Q^T`` with wgmma in transposed form (the page's 128 keys on M, the query heads
+on N = 8, column n holding head ``n % H``; Q is reloaded when the token changes), applies the
+causal mask ``b * 128 + i <= position`` and takes each column's max over the keys: the block
+score of each head. Scores go to f32 ``[T, H, width]`` (head-major; for the select ``width``
+is a multiple of 128 and columns ``>= P`` are not written, alone it is P).
 
 Select kernel: grid ``(T, H)``, one warpgroup; every warp of CTA ``(t, h)`` loads head h's
 whole ``[Pp]`` score row (``Pp / 32`` per lane), applies the selector's rules
@@ -52,17 +54,20 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.experimental.mosaic.gpu as mgpu
 
 from pallas_kernels._interpret import mosaic_interpret_params
-from pallas_kernels._shapes import PAGE_SIZE, SMEM_BYTES, TOPK
-from pallas_kernels.index_scores import default_pages_per_program, validate_index_inputs
+from pallas_kernels._shapes import NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK
+from pallas_kernels.index_scores import validate_index_inputs
 from pallas_kernels.index_select import num_valid_pages_of
 from pallas_kernels.topk_select import prepare_scores, validate_scores, validate_selection
 
-ROWS = 64  # wgmma M: the dot's rows (row r holds query head r % H)
+ROWS = 64  # rows of the query tile in shared memory (row r holds head r % H)
+QCOLS = 8  # wgmma N: the query heads (the tile's first rows, transposed)
 MAX_HEADS = 8  # index heads per token (the scores kernel copies H scores per page)
 MAX_PAGES = 1024  # block-table columns: the select holds Pp / 32 <= 32 scores per lane
 HEAD_DIMS = (64, 128)
 ROW_TILE = 128  # the select's row layout tile (32 lanes x 4): rows are whole tiles
-STAGES = (1, 2, 3)
+STAGES = (1, 2, 3, 4, 5, 6)  # TMA ring depths of the scores kernel
+DEFAULT_STAGES = 2
+MAX_CTAS_PER_SM = 4  # the scores kernel's default grid: at most this many CTAs per SM
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float8_e4m3fn))
 _NO_ID = 2 ** 30  # larger than any block id
 _NEG_INF_KEY = -1 - 0x7F800000  # _ordered_key(-inf)
@@ -78,78 +83,82 @@ def _smem_tiling(dtype, di: int) -> tuple:
 
 
 def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring, sc_smem, kbar,
-                 *, num_heads, ppp, num_stages, num_pages, num_rows, max_pages, dtype, pdl):
-    width = sc_ref.shape[-1]
-    t = lax.axis_index("t")
-    c = lax.axis_index("c")
+                 *, num_heads, num_ctas, num_stages, num_pages, num_rows, max_pages, dtype, pdl):
+    """CTA g of ``num_ctas`` scores the items ``[g W / G, (g + 1) W / G)`` of the flattened
+    ``W = T * P`` (token, block-table column) items through one TMA ring, in transposed form."""
+    g = lax.axis_index("g")
     ns = num_stages
+    n_items = sc_ref.shape[0] * max_pages
+    lo = g * n_items // num_ctas
+    n_mine = (g + 1) * n_items // num_ctas - lo
     if pdl:  # launched early: wait for the previous kernel's writes
         plgpu.griddepcontrol_wait()
-    req = jnp.clip(req_ref[t], 0, num_rows - 1)
-    pos = pos_ref[t]
-    nvp = jnp.minimum(num_valid_pages_of(pos), max_pages)
-    start = c * ppp
-    n_mine = jnp.clip(nvp - start, 0, ppp)
 
-    def issue(j, slot):
-        page = jnp.clip(bt_ref[req, start + j], 0, num_pages - 1)
-        plgpu.copy_gmem_to_smem(k_ref.at[page], k_ring.at[slot], kbar.at[slot])
+    def item(i):
+        """(token, column, position, request row, read?) of my item i."""
+        t, col = jnp.divmod(lo + i, max_pages)
+        pos = pos_ref[t]
+        read = col < jnp.minimum(num_valid_pages_of(pos), max_pages)
+        return t, col, pos, jnp.clip(req_ref[t], 0, num_rows - 1), read
+
+    def issue(i, slot):
+        _, col, _, req, read = item(i)
+
+        @pl.when(read)
+        def _():
+            page = jnp.clip(bt_ref[req, col], 0, num_pages - 1)
+            plgpu.copy_gmem_to_smem(k_ref.at[page], k_ring.at[slot], kbar.at[slot])
 
     for i in range(ns):
         pl.when(i < n_mine)(functools.partial(issue, i, i))
 
-    # The dot's A: row r = query head r % H (each head read once, broadcast over its rows).
     rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, q_ref.shape[-1]), 0,
                                   layout=plgpu.Layout.WGMMA)
-    a = None
-    for h in range(num_heads):
-        qh = plgpu.load(q_ref.at[t, h], layout=plgpu.Layout.WGMMA.reduce(0),
-                        optimized=False).astype(jnp.float32)
-        qh = lax.broadcast_in_dim(qh, rows.shape, [1])
-        a = qh if a is None else jnp.where(rows % num_heads == h, qh, a)
-    a_smem[...] = a.astype(dtype)
-    plgpu.commit_smem()
-    cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
+    keys = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, QCOLS), 0, layout=plgpu.Layout.WGMMA)
 
-    def step(j, _):
-        slot = lax.rem(j, ns)
-        plgpu.barrier_wait(kbar.at[slot])
+    def load_queries(t):  # row r = head r % H; B = the first QCOLS rows, transposed
+        a = None
+        for h in range(num_heads):
+            qh = plgpu.load(q_ref.at[t, h], layout=plgpu.Layout.WGMMA.reduce(0),
+                            optimized=False).astype(jnp.float32)
+            qh = lax.broadcast_in_dim(qh, rows.shape, [1])
+            a = qh if a is None else jnp.where(rows % num_heads == h, qh, a)
+        a_smem[...] = a.astype(dtype)
+        plgpu.commit_smem()
 
-        def dot(acc_ref):
-            plgpu.wgmma(acc_ref, a_smem, k_ring.at[slot].transpose((1, 0)))
-            return acc_ref[...]
+    def step(i, _):
+        t, col, pos, _, read = item(i)
+        slot = lax.rem(i, ns)
 
-        s = pl.run_scoped(dot, plgpu.ACC((ROWS, PAGE_SIZE), jnp.float32))
-        s = jnp.where((start + j) * PAGE_SIZE + cols <= pos, s, -jnp.inf)
-        sc_smem.at[j][...] = s.max(axis=1)
-        pl.when(j + ns < n_mine)(lambda: issue(j + ns, slot))  # the slot is free again
+        @pl.when(read)
+        def _score():
+            pl.when((i == 0) | (col == 0))(lambda: load_queries(t))  # a new token
+            plgpu.barrier_wait(kbar.at[slot])
+
+            def dot(acc_ref):  # S^T = K Q^T [128, 8]: keys on M, heads on N
+                plgpu.wgmma(acc_ref, k_ring.at[slot],
+                            a_smem.at[pl.ds(0, QCOLS)].transpose((1, 0)))
+                return acc_ref[...]
+
+            st = pl.run_scoped(dot, plgpu.ACC((PAGE_SIZE, QCOLS), jnp.float32))
+            st = jnp.where(col * PAGE_SIZE + keys <= pos, st, -jnp.inf)
+            row = lax.rem(i, 2)  # two rows: a row is rewritten only after a later barrier
+            sc_smem.at[row][...] = st.max(axis=0)
+            plgpu.commit_smem()
+            for hh in range(num_heads):
+                sc_ref[t, hh, col] = sc_smem[row, hh]
+
+        @pl.when(jnp.logical_not(read))
+        def _unread():  # past the position: -inf (a given num_valid_pages may reach it)
+            for hh in range(num_heads):
+                sc_ref[t, hh, col] = jnp.float32(-jnp.inf)
+
+        pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot))  # the slot is free again
         return 0
 
     lax.fori_loop(0, n_mine, step, 0)
-    # Pages past the position score -inf (a given num_valid_pages may reach them).
-    none = jnp.where(cols < 0, 0.0, -jnp.inf).max(axis=1)
-
-    def unread(j, _):
-        sc_smem.at[j][...] = none
-        return 0
-
-    lax.fori_loop(n_mine, ppp, unread, 0)
     if pdl:  # the select may launch (it waits for this grid's writes)
         plgpu.griddepcontrol_launch_dependents()
-    plgpu.commit_smem()  # every thread's rows, before the scalar reads below
-
-    def store(j, _):  # head-major, so the select reads each head's row contiguously
-        def write():
-            for hh in range(num_heads):
-                sc_ref[t, hh, start + j] = sc_smem[j, hh]
-
-        if pl.cdiv(max_pages, ppp) * ppp > width:  # the last chunk reaches past the output
-            pl.when(start + j < width)(write)
-        else:
-            write()
-        return 0
-
-    lax.fori_loop(0, ppp, store, 0)
 
 
 def _row_layout():
@@ -206,7 +215,7 @@ def _ordered_key(x):
     return jnp.where(bits < 0, jnp.int32(2 ** 31 - 1) - bits, bits)
 
 
-def _check_scores(name, index_q, index_k_cache, num_stages, ppp):
+def _check_scores(name, index_q, index_k_cache, num_stages, num_ctas):
     """The scores kernel's own bounds (ValueError / TypeError naming the argument)."""
     _, h, di = index_q.shape
     if jnp.dtype(index_q.dtype) not in DTYPES or index_k_cache.dtype != index_q.dtype:
@@ -218,10 +227,9 @@ def _check_scores(name, index_q, index_k_cache, num_stages, ppp):
         raise ValueError(f"{name}: Di must be one of {HEAD_DIMS}, got {di}")
     if num_stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {num_stages}")
-    if not 1 <= ppp <= 64:
-        raise ValueError(f"{name}: pages_per_program must be in [1, 64], got {ppp}")
-    ring_bytes = num_stages * PAGE_SIZE * di * index_q.dtype.itemsize
-    if ring_bytes + ROWS * di * index_q.dtype.itemsize + ppp * ROWS * 4 > SMEM_BYTES:
+    if num_ctas is not None and num_ctas < 1:
+        raise ValueError(f"{name}: num_ctas must be >= 1, got {num_ctas}")
+    if _smem_bytes(num_stages, di, index_q.dtype) > SMEM_BYTES:
         raise ValueError(f"{name}: num_stages {num_stages} needs more than {SMEM_BYTES} bytes "
                          f"of shared memory")
 
@@ -232,23 +240,37 @@ def _check_pages(name, max_pages):
                          f"{MAX_PAGES}")
 
 
-def _scores(index_q, index_k_cache, block_table, req_indices, positions, *, width, ppp,
+def _smem_bytes(num_stages: int, di: int, dtype) -> int:
+    """Shared memory of one scores CTA: the ring, the query tile, two score rows, a reserve."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return num_stages * PAGE_SIZE * di * itemsize + ROWS * di * itemsize + 2 * QCOLS * 4 + 1024
+
+
+def default_num_ctas(num_items: int, num_stages: int, di: int, dtype) -> int:
+    """The scores kernel's grid for ``num_items = T * P`` items: as many CTAs as fit on the
+    SMs at once by shared memory (at most :data:`MAX_CTAS_PER_SM` per SM), at most one per
+    item."""
+    per_sm = max(1, min(MAX_CTAS_PER_SM, SMEM_BYTES // _smem_bytes(num_stages, di, dtype)))
+    return max(1, min(num_items, per_sm * NUM_SMS_H200))
+
+
+def _scores(index_q, index_k_cache, block_table, req_indices, positions, *, width, num_ctas,
             num_stages, params, pdl):
-    """The scores kernel: f32 ``[T, H, width]``, ``width >= min(P, ceil(P / ppp) * ppp)``;
-    columns ``>= P`` below ``ceil(P / ppp) * ppp`` hold -inf, later ones are not written."""
+    """The scores kernel: f32 ``[T, H, width]``, ``width >= P``; columns ``>= P`` are not
+    written."""
     t, h, di = index_q.shape
     r, p = block_table.shape
     tiling = _smem_tiling(index_q.dtype, di)
     return plgpu.kernel(
-        functools.partial(_scores_body, num_heads=h, ppp=ppp, num_stages=num_stages,
+        functools.partial(_scores_body, num_heads=h, num_ctas=num_ctas, num_stages=num_stages,
                           num_pages=index_k_cache.shape[0], num_rows=r, max_pages=p,
                           dtype=index_q.dtype, pdl=pdl),
         out_type=jax.ShapeDtypeStruct((t, h, width), jnp.float32),
         scratch_types=[plgpu.SMEM((ROWS, di), index_q.dtype, transforms=tiling),
                        plgpu.SMEM((num_stages, PAGE_SIZE, di), index_q.dtype, transforms=tiling),
-                       plgpu.SMEM((ppp, ROWS), jnp.float32),
+                       plgpu.SMEM((2, QCOLS), jnp.float32),
                        plgpu.Barrier(num_barriers=num_stages)],
-        grid=(t, pl.cdiv(p, ppp)), grid_names=("t", "c"), interpret=params,
+        grid=(num_ctas,), grid_names=("g",), interpret=params,
         kernel_name="msa_index_scores_mgpu",
     )(index_q, index_k_cache, block_table, req_indices, positions)
 
@@ -279,31 +301,33 @@ def _params_and_pdl(interpret, pdl):
     return params, bool(pdl) and params is None
 
 
-def _launch(pages_per_program, num_stages, num_tokens, max_pages, interpret, pdl):
-    """(ppp, stages, interpret params, pdl) of a call: None picks the defaults."""
-    ppp = (default_pages_per_program(num_tokens, max_pages) if pages_per_program is None
-           else pages_per_program)
-    ns = min(3, ppp) if num_stages is None else num_stages
-    return (ppp, ns) + _params_and_pdl(interpret, pdl)
+def _launch(index_q, max_pages, num_ctas, num_stages, interpret, pdl):
+    """(grid, stages, interpret params, pdl) of a call: None picks the defaults; the grid has
+    at most one CTA per item."""
+    t, _, di = index_q.shape
+    ns = DEFAULT_STAGES if num_stages is None else num_stages
+    items = t * max_pages
+    g = (default_num_ctas(items, ns, di, index_q.dtype) if num_ctas is None
+         else min(num_ctas, items))
+    return (max(1, g), ns) + _params_and_pdl(interpret, pdl)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "pages_per_program", "num_stages",
-                                             "pdl"))
+@functools.partial(jax.jit, static_argnames=("interpret", "num_ctas", "num_stages", "pdl"))
 def msa_index_scores_mgpu(index_q, index_k_cache, block_table, req_indices, positions, *,
-                          interpret=None, pages_per_program=None, num_stages=None, pdl=True):
+                          interpret=None, num_ctas=None, num_stages=None, pdl=True):
     """Block scores ``[T, H, P]`` f32, as :func:`pallas_kernels.index_scores.msa_index_scores`
     (same arguments, results and safety boundary), with the Mosaic GPU scores kernel.
 
-    ``pages_per_program``, ``num_stages``, ``pdl``, ``interpret``: as
-    :func:`msa_index_select_mgpu`.
+    ``num_ctas``, ``num_stages``, ``pdl``, ``interpret``: as :func:`msa_index_select_mgpu`.
     """
     validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
+    name = "msa_index_scores_mgpu"
+    _check_scores(name, index_q, index_k_cache, DEFAULT_STAGES if num_stages is None
+                  else num_stages, num_ctas)
     p = block_table.shape[1]
-    ppp, ns, params, pdl = _launch(pages_per_program, num_stages, index_q.shape[0], p,
-                                   interpret, pdl)
-    _check_scores("msa_index_scores_mgpu", index_q, index_k_cache, ns, ppp)
+    g, ns, params, pdl = _launch(index_q, p, num_ctas, num_stages, interpret, pdl)
     return _scores(index_q, index_k_cache, block_table, req_indices, positions, width=p,
-                   ppp=ppp, num_stages=ns, params=params, pdl=pdl)
+                   num_ctas=g, num_stages=ns, params=params, pdl=pdl)
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "local_blocks", "init_blocks", "interpret",
@@ -334,30 +358,31 @@ def sparse_topk_select_mgpu(scores, num_valid_pages, *, topk=TOPK, local_blocks=
 
 
 @functools.partial(jax.jit, static_argnames=("local_blocks", "init_blocks", "interpret",
-                                             "pages_per_program", "num_stages", "pdl"))
+                                             "num_ctas", "num_stages", "pdl"))
 def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, positions,
                           num_valid_pages=None, *, local_blocks=1, init_blocks=0,
-                          interpret=None, pages_per_program=None, num_stages=None, pdl=True):
+                          interpret=None, num_ctas=None, num_stages=None, pdl=True):
     """Selected block ids ``[T, H, 16]`` int32, as
     :func:`pallas_kernels.index_select.msa_index_select` (same arguments, results and safety
     boundary), with the two Mosaic GPU kernels.
 
-    ``pages_per_program``: pages per scores CTA in [1, 64] (None: the Triton indexer's default).
-    ``num_stages``: TMA ring depth in {1, 2, 3} (None: min(3, pages)). ``pdl``: programmatic
-    dependent launch for both kernels (ignored when interpreting). ``interpret``: None
-    interprets unless the trace targets a GPU.
+    ``num_ctas``: the scores kernel's grid, >= 1 (None: :func:`default_num_ctas`; at most one
+    CTA per (token, column) item). ``num_stages``: its TMA ring depth, one of :data:`STAGES`
+    (None: :data:`DEFAULT_STAGES`). ``pdl``: programmatic dependent launch for both kernels
+    (ignored when interpreting). ``interpret``: None interprets unless the trace targets a GPU.
     """
     validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
     t = index_q.shape[0]
     validate_selection(t, num_valid_pages, TOPK, local_blocks, init_blocks)
-    p = block_table.shape[1]
-    ppp, ns, params, pdl = _launch(pages_per_program, num_stages, t, p, interpret, pdl)
     name = "msa_index_select_mgpu"
-    _check_scores(name, index_q, index_k_cache, ns, ppp)
+    _check_scores(name, index_q, index_k_cache, DEFAULT_STAGES if num_stages is None
+                  else num_stages, num_ctas)
+    p = block_table.shape[1]
     _check_pages(name, p)
-    width = _whole_row_tiles(pl.cdiv(p, ppp) * ppp)
-    scores = _scores(index_q, index_k_cache, block_table, req_indices, positions, width=width,
-                     ppp=ppp, num_stages=ns, params=params, pdl=pdl)
+    g, ns, params, pdl = _launch(index_q, p, num_ctas, num_stages, interpret, pdl)
+    scores = _scores(index_q, index_k_cache, block_table, req_indices, positions,
+                     width=_whole_row_tiles(p), num_ctas=g, num_stages=ns, params=params,
+                     pdl=pdl)
     given = num_valid_pages is not None
     return _select(scores, num_valid_pages if given else positions, max_pages=p,
                    local_blocks=local_blocks, init_blocks=init_blocks,
@@ -365,4 +390,4 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
 
 
 __all__ = ["msa_index_scores_mgpu", "sparse_topk_select_mgpu", "msa_index_select_mgpu",
-           "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES", "DTYPES"]
+           "default_num_ctas", "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES", "DTYPES"]

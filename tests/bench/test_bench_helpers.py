@@ -242,7 +242,8 @@ def run(name, *argv):
         return e.code
     return 0
 for name in ("kernels.py", "prefill.py", "decode_profile.py", "index_dtype_sweep.py",
-             "dcp.py", "serving.py", "staging.py", "sass_stalls.py", "timer_check.py"):
+             "dcp.py", "serving.py", "staging.py", "sass_stalls.py", "timer_check.py",
+             "index_select_mgpu.py"):
     assert run(name, "--help") == 0, name
 assert run("kernels.py", "--out", "/tmp/x") == 2  # no GPU and no --cpu-smoke
 assert run("kernels.py", "--out", "/tmp/x", "--cpu-smoke", "--shapes", "16") == 2
@@ -306,3 +307,14 @@ def test_decode_mgpu_sweep_fits_each_shapes_group():
     assert decode_mgpu.sweep_configs(64, 4) == configs
     assert (1, 3) not in decode_mgpu.sweep_configs(64, 1)
     assert all(st <= -(-16 // s) for s, st in configs)
+
+
+def test_index_select_mgpu_grid_names_each_combination():
+    """index_select_mgpu.py --grid: every combination within each |-part, named by its
+    values; ctas=0 leaves the kernel's default grid."""
+    import index_select_mgpu
+    variants = index_select_mgpu.grid_variants("ctas=0,528;ns=2,3|ns=4")
+    assert list(variants) == ["mgpu_ctas0_ns2", "mgpu_ctas0_ns3", "mgpu_ctas528_ns2",
+                              "mgpu_ctas528_ns3", "mgpu_ns4"]
+    assert variants["mgpu_ctas0_ns3"].keywords == dict(num_stages=3)
+    assert variants["mgpu_ctas528_ns2"].keywords == dict(num_ctas=528, num_stages=2)

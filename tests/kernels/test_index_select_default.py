@@ -21,7 +21,7 @@ from pallas_kernels.index_scores import msa_index_scores_reference
 from pallas_kernels.index_select import (msa_index_select, msa_index_select_reference,
                                          num_valid_pages_of)
 from pallas_kernels.index_select_default import (
-    BACKENDS, MOSAIC_MAX_SELECT_TOKENS, MOSAIC_MAX_TOKENS, index_backend,
+    BACKENDS, MOSAIC_MAX_SELECT_TOKENS, index_backend,
     msa_index_scores_default, msa_index_select_default, scores_backend, select_backend,
     sparse_topk_select_default)
 from pallas_kernels.topk_select import sparse_topk_select_reference
@@ -31,35 +31,29 @@ from test_index_select_mgpu import index_specs
 BF16, F16, FP8 = jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
 
 
-@pytest.mark.parametrize("t,p,h,di,q_dtype,k_dtype,interpreting,want", [
-    (1, 64, 1, 128, BF16, BF16, False, "mosaic"),
-    (1, 512, 4, 128, F16, F16, False, "mosaic"),
-    (16, 64, 4, 128, BF16, BF16, False, "mosaic"),    # P not whole 128-page tiles
-    (2, 512, 1, 128, BF16, BF16, False, "mixed"),
-    (MOSAIC_MAX_TOKENS, 512, 4, 128, BF16, BF16, False, "mixed"),
-    (MOSAIC_MAX_TOKENS + 1, 512, 1, 128, BF16, BF16, False, "triton"),
-    (MOSAIC_MAX_TOKENS, 512, 1, 128, FP8, FP8, False, "mosaic"),  # e4m3 x e4m3
-    (64, 512, 1, 128, FP8, FP8, False, "triton"),
-    (1, 512, 1, 128, BF16, FP8, False, "triton"),     # bf16 queries over an e4m3 cache
-    (1, 512, 16, 128, BF16, BF16, False, "triton"),   # more than 8 index heads
-    (1, 512, 1, 96, BF16, BF16, False, "triton"),     # index dims 64 and 128 only
-    (1, 2048, 1, 128, BF16, BF16, False, "triton"),   # over 1024 block-table columns
-    (1, 64, 1, 128, BF16, BF16, True, "triton"),      # interpreted: the Triton kernel
+@pytest.mark.parametrize("p,h,di,q_dtype,k_dtype,interpreting,want", [
+    (64, 1, 128, BF16, BF16, False, "mosaic"),
+    (512, 4, 128, F16, F16, False, "mosaic"),
+    (1024, 8, 64, FP8, FP8, False, "mosaic"),     # e4m3 x e4m3, the most columns and heads
+    (512, 1, 128, BF16, FP8, False, "triton"),    # bf16 queries over an e4m3 cache
+    (512, 16, 128, BF16, BF16, False, "triton"),  # more than 8 index heads
+    (512, 1, 96, BF16, BF16, False, "triton"),    # index dims 64 and 128 only
+    (2048, 1, 128, BF16, BF16, False, "triton"),  # over 1024 block-table columns
+    (64, 1, 128, BF16, BF16, True, "triton"),     # interpreted: the Triton kernel
 ])
-def test_index_backend_rule(t, p, h, di, q_dtype, k_dtype, interpreting, want):
-    assert index_backend(t, p, h, di, q_dtype, k_dtype, interpreting=interpreting) == want
+def test_index_backend_rule(p, h, di, q_dtype, k_dtype, interpreting, want):
+    assert index_backend(p, h, di, q_dtype, k_dtype, interpreting=interpreting) == want
 
 
-@pytest.mark.parametrize("t,h,di,q_dtype,k_dtype,interpreting,want", [
-    (1, 4, 128, BF16, BF16, False, "mosaic"),
-    (2, 1, 128, BF16, BF16, False, "triton"),
-    (MOSAIC_MAX_TOKENS, 1, 128, FP8, FP8, False, "mosaic"),
-    (MOSAIC_MAX_TOKENS + 1, 1, 128, FP8, FP8, False, "triton"),
-    (1, 1, 128, BF16, FP8, False, "triton"),
-    (1, 1, 128, BF16, BF16, True, "triton"),
+@pytest.mark.parametrize("h,di,q_dtype,k_dtype,interpreting,want", [
+    (4, 128, BF16, BF16, False, "mosaic"),
+    (8, 64, FP8, FP8, False, "mosaic"),
+    (9, 128, F16, F16, False, "triton"),
+    (1, 128, BF16, FP8, False, "triton"),
+    (1, 128, BF16, BF16, True, "triton"),
 ])
-def test_scores_backend_rule(t, h, di, q_dtype, k_dtype, interpreting, want):
-    assert scores_backend(t, h, di, q_dtype, k_dtype, interpreting=interpreting) == want
+def test_scores_backend_rule(h, di, q_dtype, k_dtype, interpreting, want):
+    assert scores_backend(h, di, q_dtype, k_dtype, interpreting=interpreting) == want
 
 
 @pytest.mark.parametrize("t,p,topk,interpreting,want", [
@@ -73,22 +67,20 @@ def test_select_backend_rule(t, p, topk, interpreting, want):
 
 @pytest.mark.parametrize("t,h,context,dtype,want", [
     (1, 1, 8192, BF16, "mosaic"), (1, 4, 65536, BF16, "mosaic"), (16, 4, 8192, BF16, "mosaic"),
-    (16, 4, 65536, BF16, "mixed"), (16, 1, 65536, FP8, "mosaic"), (64, 1, 8192, BF16, "triton"),
-    (128, 4, 65536, FP8, "triton"),
+    (16, 4, 65536, BF16, "mosaic"), (128, 1, 8192, BF16, "mosaic"),
+    (128, 4, 65536, FP8, "mosaic"), (4, 1, 2048 * 128, BF16, "triton"),
 ])
 def test_lowers_to_the_chosen_kernel_for_h200(t, h, context, dtype, want):
     """Compiled for an H200 (``interpret=None`` under an abstract H200 mesh), the call lowers
-    to the chosen kernels' custom calls only: two Mosaic GPU ones, one Triton one, or (mixed)
-    one of each."""
+    to the chosen kernels' custom calls only: two Mosaic GPU ones or one Triton one."""
     text = lower_for_cuda(msa_index_select_default, *index_specs(t, h, context, dtype))
-    counts = {"mosaic": dict(mosaic=2, triton=0), "triton": dict(mosaic=0, triton=1),
-              "mixed": dict(mosaic=1, triton=1)}[want]
+    counts = {"mosaic": dict(mosaic=2, triton=0), "triton": dict(mosaic=0, triton=1)}[want]
     assert custom_call_counts(text) == dict(counts, other=0)
 
 
-@pytest.mark.parametrize("t,want", [(1, "mosaic"), (16, "triton")])
-def test_scores_and_select_alone_lower_to_the_chosen_kernel(t, want):
-    specs = index_specs(t, 1, 65536)
+@pytest.mark.parametrize("t,h,want", [(1, 1, "mosaic"), (16, 4, "mosaic"), (2, 16, "triton")])
+def test_scores_and_select_alone_lower_to_the_chosen_kernel(t, h, want):
+    specs = index_specs(t, h, 65536)
     text = lower_for_cuda(msa_index_scores_default, *specs)
     assert custom_call_counts(text) == {"mosaic": int(want == "mosaic"),
                                         "triton": int(want == "triton"), "other": 0}

@@ -42,17 +42,21 @@ def _fresh_interpreter():
     yield
 
 
-@pytest.mark.parametrize("dtype,num_heads,index_dim,pages_per_program,num_stages", [
-    (jnp.bfloat16, 4, 128, 3, 2),   # chunks not a divisor of P, a ring shorter than a chunk
-    (jnp.bfloat16, 1, 64, 8, None),
-    (jnp.float16, 3, 128, 32, 3),   # H not a power of two, one chunk per token
-    (jnp.float8_e4m3fn, 2, 128, 4, 2),  # e4m3 queries over an e4m3 cache (128-byte rows)
-    (jnp.float8_e4m3fn, 1, 64, 3, None),  # 64-byte rows: a 64-byte swizzle
+@pytest.mark.parametrize("dtype,num_heads,index_dim,kw", [
+    # CTAs over the flattened (token, column) items: tokens split between CTAs, rings deeper
+    # and shallower than a CTA's items, H not a power of two; e4m3 queries over an e4m3 cache
+    # (128-byte rows; 64-byte rows: a 64-byte swizzle)
+    (jnp.bfloat16, 4, 128, dict(num_ctas=7, num_stages=3)),
+    (jnp.bfloat16, 1, 64, dict()),  # the defaults: one CTA per item here
+    (jnp.float16, 3, 128, dict(num_ctas=2, num_stages=6)),
+    (jnp.bfloat16, 8, 128, dict(num_ctas=5, num_stages=2)),  # every Q column a head
+    (jnp.float8_e4m3fn, 2, 128, dict(num_ctas=5, num_stages=4)),
+    (jnp.float8_e4m3fn, 1, 64, dict(num_ctas=3, num_stages=1)),
+    (jnp.float8_e4m3fn, 8, 64, dict(num_ctas=1000, num_stages=5)),  # more CTAs than items
 ])
-def test_matches_reference(dtype, num_heads, index_dim, pages_per_program, num_stages):
+def test_matches_reference(dtype, num_heads, index_dim, kw):
     q, k, bt, req, pos = make_batch(fresh_seed(), dtype, num_heads, index_dim)
-    got = msa_index_select_mgpu(q, k, bt, req, pos, pages_per_program=pages_per_program,
-                                num_stages=num_stages)
+    got = msa_index_select_mgpu(q, k, bt, req, pos, **kw)
     chex.assert_shape(got, (pos.shape[0], num_heads, TOPK))
     chex.assert_trees_all_equal(got, msa_index_select_reference(q, k, bt, req, pos))
     check_structure(np.asarray(got), np.asarray(num_valid_pages_of(pos)), MAX_PAGES)
@@ -68,7 +72,7 @@ def test_given_page_counts_and_forced_blocks(local_blocks, init_blocks):
     nvp[0], nvp[-1] = -2, MAX_PAGES + 5
     nvp = jnp.asarray(nvp, jnp.int32)
     got = msa_index_select_mgpu(q, k, bt, req, pos, nvp, local_blocks=local_blocks,
-                                init_blocks=init_blocks, pages_per_program=4,
+                                init_blocks=init_blocks, num_ctas=4,
                                 interpret=ZERO_FILLED)
     want = msa_index_select_reference(q, k, bt, req, pos, nvp, local_blocks=local_blocks,
                                       init_blocks=init_blocks)
@@ -88,23 +92,22 @@ def test_pages_past_the_position_are_never_read():
         for r in set(np.asarray(req).tolist()):
             table[r, nvp[np.asarray(req) == r].max():] = fill
         tables[fill] = jnp.asarray(table)
-    got = msa_index_select_mgpu(q, k, tables[poison], req, pos, pages_per_program=4)
+    got = msa_index_select_mgpu(q, k, tables[poison], req, pos, num_ctas=4)
     chex.assert_trees_all_equal(
-        got, msa_index_select_mgpu(q, k, tables[0], req, pos, pages_per_program=4))
+        got, msa_index_select_mgpu(q, k, tables[0], req, pos, num_ctas=4))
     chex.assert_trees_all_equal(got, msa_index_select_reference(q, k, tables[0], req, pos))
 
 
-@pytest.mark.parametrize("dtype,num_heads,index_dim,pages_per_program", [
-    (jnp.bfloat16, 4, 128, 3),       # the last chunk reaches past P: those stores are skipped
+@pytest.mark.parametrize("dtype,num_heads,index_dim,num_ctas", [
+    (jnp.bfloat16, 4, 128, 3),       # a CTA's items across several tokens
     (jnp.float16, 3, 64, None),
-    (jnp.float8_e4m3fn, 2, 128, 5),  # e4m3 queries over an e4m3 cache
+    (jnp.float8_e4m3fn, 2, 128, 6),  # e4m3 queries over an e4m3 cache
 ])
-def test_scores_alone_match_reference(dtype, num_heads, index_dim, pages_per_program):
+def test_scores_alone_match_reference(dtype, num_heads, index_dim, num_ctas):
     """msa_index_scores_mgpu: [T, H, P] scores, -inf exactly past each token's last block, the
     poison page never read (it would score far from any real page)."""
     q, k, bt, req, pos = make_batch(fresh_seed(), dtype, num_heads, index_dim)
-    got = msa_index_scores_mgpu(q, k, bt, req, pos, pages_per_program=pages_per_program,
-                                interpret=ZERO_FILLED)
+    got = msa_index_scores_mgpu(q, k, bt, req, pos, num_ctas=num_ctas, interpret=ZERO_FILLED)
     fp8_on_gpu = dtype == jnp.float8_e4m3fn and not resolve_interpret(None)
     check_scores(got, msa_index_scores_reference(q, k, bt, req, pos), pos, num_heads,
                  atol=5e-2 if fp8_on_gpu else 1e-3)
@@ -191,8 +194,8 @@ def test_select_alone_rejects_unsupported_arguments():
     (dict(h=16), "H = 16 exceeds 8", ValueError),
     (dict(di=256), "Di must be one of", ValueError),
     (dict(context=2048 * PAGE_SIZE), "at most 1024", ValueError),
-    (dict(num_stages=4), "num_stages", ValueError),
-    (dict(pages_per_program=65), r"pages_per_program must be in \[1, 64\]", ValueError),
+    (dict(num_stages=7), "num_stages", ValueError),
+    (dict(num_ctas=0), r"num_ctas must be >= 1", ValueError),
 ])
 def test_rejects_unsupported_arguments(kw, match, exc):
     shape_kw = {k: kw.pop(k) for k in ("dtype", "h", "di", "context") if k in kw}
