@@ -82,6 +82,13 @@ def _smem_tiling(dtype, di: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def first_item(g, num_items: int, num_ctas: int):
+    """``floor(g * num_items / num_ctas)``, the first item of CTA ``g`` (int32 ``g``), without
+    forming ``g * num_items`` (it may pass 2^31)."""
+    q, r = divmod(num_items, num_ctas)
+    return g * q + g * r // num_ctas
+
+
 def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring, sc_smem, kbar,
                  *, num_heads, num_ctas, num_stages, num_pages, num_rows, max_pages, dtype, pdl):
     """CTA g of ``num_ctas`` scores the items ``[g W / G, (g + 1) W / G)`` of the flattened
@@ -89,8 +96,8 @@ def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring,
     g = lax.axis_index("g")
     ns = num_stages
     n_items = sc_ref.shape[0] * max_pages
-    lo = g * n_items // num_ctas
-    n_mine = (g + 1) * n_items // num_ctas - lo
+    lo = first_item(g, n_items, num_ctas)
+    n_mine = first_item(g + 1, n_items, num_ctas) - lo
     if pdl:  # launched early: wait for the previous kernel's writes
         plgpu.griddepcontrol_wait()
 
@@ -390,4 +397,4 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
 
 
 __all__ = ["msa_index_scores_mgpu", "sparse_topk_select_mgpu", "msa_index_select_mgpu",
-           "default_num_ctas", "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES", "DTYPES"]
+           "default_num_ctas", "first_item", "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES", "DTYPES"]

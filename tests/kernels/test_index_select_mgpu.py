@@ -24,8 +24,8 @@ from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._lowering import custom_call_counts, lower_for_cuda
 from pallas_kernels.index_scores import msa_index_scores_reference
 from pallas_kernels.index_select import msa_index_select_reference, num_valid_pages_of
-from pallas_kernels.index_select_mgpu import (msa_index_scores_mgpu, msa_index_select_mgpu,
-                                              sparse_topk_select_mgpu)
+from pallas_kernels.index_select_mgpu import (first_item, msa_index_scores_mgpu,
+                                              msa_index_select_mgpu, sparse_topk_select_mgpu)
 from pallas_kernels.topk_select import sparse_topk_select_reference
 from test_index_scores import MAX_PAGES, check_scores, make_batch
 from test_topk_select import check_structure
@@ -203,3 +203,15 @@ def test_rejects_unsupported_arguments(kw, match, exc):
     args.update(shape_kw)
     with pytest.raises(exc, match=match):
         lower_for_cuda(msa_index_select_mgpu, *index_specs(**args), **kw)
+
+
+@pytest.mark.parametrize("num_items,num_ctas", [(7, 3), (64, 264), (8192 * 1024, 528),
+                                                (2 ** 31 - 1, 527)])
+def test_item_ranges_split_exactly_in_int32(num_items, num_ctas):
+    """Each CTA's first item is floor(g * W / G) in int32 even where g * W passes 2^31: the
+    ranges cover the W items once, in order."""
+    g = jnp.arange(num_ctas + 1, dtype=jnp.int32)
+    got = np.asarray(first_item(g, num_items, num_ctas)).astype(np.int64)
+    want = np.arange(num_ctas + 1, dtype=np.int64) * num_items // num_ctas
+    np.testing.assert_array_equal(got, want)
+    assert got[0] == 0 and got[-1] == num_items and np.all(np.diff(got) >= 0)
