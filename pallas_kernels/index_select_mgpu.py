@@ -397,4 +397,5 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
 
 
 __all__ = ["msa_index_scores_mgpu", "sparse_topk_select_mgpu", "msa_index_select_mgpu",
-           "default_num_ctas", "first_item", "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES", "DTYPES"]
+           "default_num_ctas", "first_item", "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES",
+           "DTYPES"]
