@@ -308,11 +308,12 @@ def _params_and_pdl(interpret, pdl):
     return params, bool(pdl) and params is None
 
 
-def _launch(index_q, max_pages, num_ctas, num_stages, interpret, pdl):
-    """(grid, stages, interpret params, pdl) of a call: None picks the defaults; the grid has
-    at most one CTA per item."""
+def _launch(name, index_q, index_k_cache, max_pages, num_ctas, num_stages, interpret, pdl):
+    """(grid, stages, interpret params, pdl) of a call, after the scores kernel's checks: None
+    picks the defaults; the grid has at most one CTA per item."""
     t, _, di = index_q.shape
     ns = DEFAULT_STAGES if num_stages is None else num_stages
+    _check_scores(name, index_q, index_k_cache, ns, num_ctas)
     items = t * max_pages
     g = (default_num_ctas(items, ns, di, index_q.dtype) if num_ctas is None
          else min(num_ctas, items))
@@ -328,11 +329,9 @@ def msa_index_scores_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     ``num_ctas``, ``num_stages``, ``pdl``, ``interpret``: as :func:`msa_index_select_mgpu`.
     """
     validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
-    name = "msa_index_scores_mgpu"
-    _check_scores(name, index_q, index_k_cache, DEFAULT_STAGES if num_stages is None
-                  else num_stages, num_ctas)
     p = block_table.shape[1]
-    g, ns, params, pdl = _launch(index_q, p, num_ctas, num_stages, interpret, pdl)
+    g, ns, params, pdl = _launch("msa_index_scores_mgpu", index_q, index_k_cache, p, num_ctas,
+                                 num_stages, interpret, pdl)
     return _scores(index_q, index_k_cache, block_table, req_indices, positions, width=p,
                    num_ctas=g, num_stages=ns, params=params, pdl=pdl)
 
@@ -382,11 +381,10 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
     t = index_q.shape[0]
     validate_selection(t, num_valid_pages, TOPK, local_blocks, init_blocks)
     name = "msa_index_select_mgpu"
-    _check_scores(name, index_q, index_k_cache, DEFAULT_STAGES if num_stages is None
-                  else num_stages, num_ctas)
     p = block_table.shape[1]
+    g, ns, params, pdl = _launch(name, index_q, index_k_cache, p, num_ctas, num_stages,
+                                 interpret, pdl)
     _check_pages(name, p)
-    g, ns, params, pdl = _launch(index_q, p, num_ctas, num_stages, interpret, pdl)
     scores = _scores(index_q, index_k_cache, block_table, req_indices, positions,
                      width=_whole_row_tiles(p), num_ctas=g, num_stages=ns, params=params,
                      pdl=pdl)
