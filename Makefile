@@ -14,8 +14,10 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/jax-msa-runner demo
 
+TEST_WORKERS ?= 2  # pytest-xdist workers: CI has 2 cores
+
 test: install compare-env
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) tests
 
 # Comparison against vLLM 0.33.0's MiniMax-M3 ops (README, "Comparison with vLLM"): a separate
 # Python 3.11 venv with CPU torch + triton (Triton's interpreter runs vLLM's kernels on CPU) and the
