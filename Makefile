@@ -14,7 +14,8 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/jax-msa-runner demo
 
-TEST_WORKERS ?= 2  # pytest-xdist workers: CI has 2 cores
+# pytest-xdist workers (CI has 2 cores)
+TEST_WORKERS ?= 2
 
 test: install compare-env
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) tests
