@@ -85,7 +85,7 @@ def msa_index_select_default(index_q, index_k_cache, block_table, req_indices, p
     launch defaults. ``backend``: None (the rule), or one of :data:`BACKENDS` (static).
     """
     validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
-    t, h, di = index_q.shape
+    _, h, di = index_q.shape
     if backend is None:
         backend = index_backend(block_table.shape[1], h, di, index_q.dtype,
                                 index_k_cache.dtype, interpreting=resolve_interpret(interpret))
@@ -103,12 +103,12 @@ def msa_index_scores_default(index_q, index_k_cache, block_table, req_indices, p
     results as :func:`pallas_kernels.index_scores.msa_index_scores`. ``backend``: None (the
     rule), ``"mosaic"`` or ``"triton"`` (static)."""
     validate_index_inputs(index_q, index_k_cache, block_table, req_indices, positions)
-    t, h, di = index_q.shape
+    _, h, di = index_q.shape
     if backend is None:
         backend = scores_backend(h, di, index_q.dtype, index_k_cache.dtype,
                                  interpreting=resolve_interpret(interpret))
     kernel = {"mosaic": msa_index_scores_mgpu, "triton": msa_index_scores}[
-        _checked(backend, ("mosaic", "triton"), "msa_index_scores_default")]
+        _checked(backend, BACKENDS, "msa_index_scores_default")]
     return kernel(index_q, index_k_cache, block_table, req_indices, positions,
                   interpret=interpret)
 
