@@ -4,16 +4,19 @@
   ``python3 bench/kernels.py``) and filters the one known warning (the Pallas Triton
   backend's deprecation), nothing else.
 - ``time_jax``: the one timer of our JAX ops, in two L2 modes named in every output:
-  ``"cold"``: ONE jitted executable holding (512 MiB flush; optimization_barrier; op) is
-  dispatched ``n`` times back to back, then the flush-only executable ``n`` times; a sample
-  is the wall-time difference over ``n``. Each loop starts behind the same pre-roll of
+  ``"cold"``: ONE jitted executable holds ``k`` calls (``CALLS_PER_DISPATCH``, at most
+  ``n``), each (512 MiB flush; optimization_barrier; op), as a loop of ``k`` iterations (a
+  while loop with a known trip count: no host round trip between iterations). It is
+  dispatched ``n / k`` times back to back, then the executable of ``k`` flushes alone as
+  often; a sample is the wall-time difference over ``n``. The barrier ties each iteration's
+  op inputs to its flush, so XLA cannot hoist the op out of the loop, and each iteration
+  runs its flush and its op alone: every op runs right after a flush whatever order XLA gives
+  the two inside the loop body. Each loop starts behind the same pre-roll of
   ``PREROLL_FLUSHES`` flush-only calls, so the device is already busy when the loop's clock
-  starts: the host time of a loop's first dispatch (longer for the op's executable than for
-  the flush's) is not in the difference. Each executable holds exactly one flush and one op,
-  so every op runs right after a flush whatever order XLA gives the two inside it (XLA drops
-  optimization barriers before scheduling; they do not order). The flush outlasts the host's
-  dispatch of a call, so the device queue never drains: the figure is device time
-  (``Timing.gpu_bound`` records the check).
+  starts. The ``k`` flushes of one dispatch outlast the host's dispatch of it many times
+  over, so the device queue never drains and the figure is device time
+  (``Timing.gpu_bound`` records the check). With ``k = 1`` this is the per-call timer of
+  earlier sessions, whose host dispatch (190-520 us per call) came close to one flush.
   ``"warm"``: the op's executable dispatched ``n`` times back to back, no flush: inputs that fit
   may stay in L2; wall time over ``n``, device time only where the op outlasts its dispatch
   (``gpu_bound``).
@@ -57,22 +60,25 @@ ON_GPU = jax.default_backend() == "gpu"
 PALLAS_KW: dict = {} if ON_GPU else {"interpret": True}
 
 L2_MODES = ("cold", "warm")
-# The cold-L2 flush: 10x the H200's 50 MiB L2, and long enough (about 255 us) that the host's
-# dispatch of one (flush; op) executable (100-180 us with a dict of inputs) stays shorter.
+# The cold-L2 flush: 10x the H200's 50 MiB L2 (about 255 us of device time).
 FLUSH_BYTES = 512 << 20
+# Cold calls per executable (a dispatch): their flushes outlast the host's dispatch of the
+# executable (190-520 us measured per dispatch on the H200 host) about five times over.
+CALLS_PER_DISPATCH = 10
 # Flush-only calls dispatched before each timed cold loop: about 1 ms of device work, longer
 # than the host's dispatch of the loop's first call, so the device never waits for it.
 PREROLL_FLUSHES = 4
 
 
-def timer_description(l2: str, n: int) -> str:
+def timer_description(l2: str, n: int, calls_per_dispatch: int = CALLS_PER_DISPATCH) -> str:
     """One line naming how ``time_jax`` measured (for JSON and printed tables)."""
     _check_l2(l2)
     if l2 == "cold":
-        return (f"cold L2: one XLA executable ({FLUSH_BYTES >> 20} MiB flush; "
-                f"optimization_barrier; op) dispatched {n} x back to back minus the flush-only "
-                f"executable {n} x, per call; each loop behind {PREROLL_FLUSHES} flush-only "
-                f"calls dispatched before its clock starts")
+        k = _calls(n, calls_per_dispatch)
+        return (f"cold L2: one XLA executable looping {k} x ({FLUSH_BYTES >> 20} MiB flush; "
+                f"optimization_barrier; op), dispatched {n // k} x back to back ({n} calls), "
+                f"minus the executable of {k} flushes as often, per call; each loop behind "
+                f"{PREROLL_FLUSHES} flush-only calls dispatched before its clock starts")
     return (f"warm L2: the op's XLA executable dispatched {n} x back to back (no flush), "
             f"wall time per call")
 
@@ -82,13 +88,25 @@ def _check_l2(l2: str) -> None:
         raise ValueError(f"l2: must be one of {L2_MODES}, got {l2!r}")
 
 
+def _calls(n: int, calls_per_dispatch: int) -> int:
+    """Cold calls per dispatch for a loop of ``n`` calls: ``min(calls_per_dispatch, n)``,
+    which must divide ``n``."""
+    if calls_per_dispatch < 1:
+        raise ValueError(f"calls_per_dispatch must be >= 1, got {calls_per_dispatch}")
+    k = min(calls_per_dispatch, n)
+    if n % k:
+        raise ValueError(f"n = {n} must be a multiple of calls_per_dispatch = {k}")
+    return k
+
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """``time_jax``'s result: seconds per call, one sample per trial, and the checks."""
     l2: str
     samples_s: list
-    host_us_per_call: float  # host time to dispatch one call (median over trials)
-    flush_us: float | None  # cold: wall per call of the flush loop (its pre-roll's tail / n too)
+    host_us_per_dispatch: float  # host time to dispatch one executable (median over trials)
+    flush_us: float | None  # cold: wall per dispatch of the flush-only loop (k flushes)
+    calls_per_dispatch: int = 1  # op calls per executable (cold: k; warm: 1)
 
     @property
     def us(self) -> float:
@@ -96,15 +114,16 @@ class Timing:
 
     @property
     def gpu_bound(self) -> bool:
-        """The host dispatched each call faster than the device ran it (the flush, when cold;
-        the op itself, when warm), so the samples are device time."""
-        return self.host_us_per_call < (self.flush_us if self.l2 == "cold" else self.us)
+        """The host dispatched each executable faster than the device ran it (its flushes,
+        when cold; the op itself, when warm), so the samples are device time."""
+        return self.host_us_per_dispatch < (self.flush_us if self.l2 == "cold" else self.us)
 
     def as_dict(self) -> dict:
         return {"l2": self.l2, "us": round(self.us, 3),
                 "samples_us": [round(v * 1e6, 3) for v in self.samples_s],
-                "host_us_per_call": round(self.host_us_per_call, 2),
+                "host_us_per_dispatch": round(self.host_us_per_dispatch, 2),
                 "flush_us": None if self.flush_us is None else round(self.flush_us, 2),
+                "calls_per_dispatch": self.calls_per_dispatch,
                 "gpu_bound": self.gpu_bound}
 
 
@@ -115,21 +134,47 @@ def _flush(buf: jax.Array) -> jax.Array:
     return buf + 1.0
 
 
-_flush_only = jax.jit(_flush, donate_argnums=0)
+@functools.lru_cache(maxsize=8)
+def _flush_only(calls: int):
+    """jit of ``calls`` flushes in a loop (the cold timer's baseline executable)."""
+    def flushes(buf):
+        return jax.lax.fori_loop(
+            0, calls, lambda _, b: jax.lax.optimization_barrier(_flush(b)), buf)
+    return jax.jit(flushes, donate_argnums=0)
 
 
 @functools.lru_cache(maxsize=64)
-def _executable(fn, l2: str):
-    """jit of (flush; optimization_barrier; fn) (cold) or of fn (warm), cached per (fn, l2):
-    pass the same function object to reuse the compiled executable."""
+def _executable(fn, l2: str, calls: int = 1):
+    """jit of ``calls`` x (flush; optimization_barrier; fn) in a loop (cold) or of fn (warm),
+    cached per (fn, l2, calls): pass the same function object to reuse the executable. The
+    first call is peeled off the loop, so the loop carries fn's outputs without initial
+    values (no memset of them in the timed executable)."""
     if l2 == "warm":
         return jax.jit(fn)
 
-    def flushed(buf, args):
-        buf = _flush(buf)
-        buf, args = jax.lax.optimization_barrier((buf, args))
+    def call(buf, args):
+        buf, args = jax.lax.optimization_barrier((_flush(buf), args))
         return buf, fn(*args)
+
+    def flushed(buf, args):
+        return jax.lax.fori_loop(1, calls, lambda _, carry: call(carry[0], args),
+                                 call(buf, args))
     return jax.jit(flushed, donate_argnums=0)
+
+
+def cold_loop_body(hlo_text: str) -> tuple[int, str]:
+    """(known trip count, body computation text) of the while loop in the optimised HLO of a
+    cold executable (``_executable(fn, "cold", k)``, k >= 2): the check that XLA kept the
+    calls in a loop and did not hoist the op out of it."""
+    entry = hlo_text[hlo_text.index("\nENTRY "):] if "\nENTRY " in hlo_text else ""
+    loops = [line for line in entry.splitlines() if " while(" in line]
+    loop = loops[-1] if loops else None  # after the peeled call's own loops (interpreted)
+    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop or "")
+    if loop is None or trip is None:
+        raise ValueError("no while loop with a known trip count in the HLO")
+    name = re.search(r"body=(%[\w.\-]+)", loop).group(1)
+    body = hlo_text[hlo_text.index(f"\n{name} "):]
+    return int(trip.group(1)), body[:body.index("\n}")]
 
 
 @contextlib.contextmanager
@@ -146,30 +191,34 @@ def no_gc():
 
 
 def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
-             preroll: int = PREROLL_FLUSHES) -> Timing:
+             preroll: int = PREROLL_FLUSHES,
+             calls_per_dispatch: int = CALLS_PER_DISPATCH) -> Timing:
     """Seconds per call of ``fn(*args)`` (see the module docstring), one sample per trial.
 
     fn: a jax function of arrays (pytrees allowed); args: its positional arguments.
+    n: calls per sample (cold: a multiple of ``min(calls_per_dispatch, n)``).
     l2: "cold" or "warm" (required: every call site names its mode).
     preroll: flush-only calls dispatched before each cold loop's clock starts (0: the timer
       before the pre-roll; ``bench/timer_check.py`` compares the two).
+    calls_per_dispatch: cold calls looped inside one executable (1: one call per dispatch).
     """
     _check_l2(l2)
     if n < 1 or trials < 1 or preroll < 0:
         raise ValueError(f"n and trials must be >= 1 and preroll >= 0, got n={n}, "
                          f"trials={trials}, preroll={preroll}")
-    ex = _executable(fn, l2)
+    k = _calls(n, calls_per_dispatch) if l2 == "cold" else 1
+    ex = _executable(fn, l2, k)
     buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32) if l2 == "cold" else None
 
-    def loop(step) -> tuple[float, float]:
-        """(wall s, host dispatch s) of n async calls of step, then one block; cold: behind
-        ``preroll`` flush-only calls dispatched before the clock starts."""
+    def loop(step, dispatches) -> tuple[float, float]:
+        """(wall s, host dispatch s) of ``dispatches`` async calls of step, then one block;
+        cold: behind ``preroll`` flush-only calls dispatched before the clock starts."""
         with no_gc():
             if l2 == "cold":
                 for _ in range(preroll):
-                    flush()
+                    preroll_flush()
             t0 = time.perf_counter()
-            for _ in range(n):
+            for _ in range(dispatches):
                 out = step()
             t1 = time.perf_counter()
             jax.block_until_ready(out)
@@ -182,27 +231,30 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
         buf, out = ex(buf, args)
         return buf, out
 
-    def flush():
+    def flushes(fl):
         nonlocal buf
-        buf = _flush_only(buf)
+        buf = fl(buf)
         return buf
 
+    flush, preroll_flush = (functools.partial(flushes, _flush_only(k)),
+                            functools.partial(flushes, _flush_only(1)))
     jax.block_until_ready(with_op())  # compile + warm-up
     if l2 == "cold":
         jax.block_until_ready(flush())
+        jax.block_until_ready(preroll_flush())
     samples, host, flush_s = [], [], []
     for _ in range(trials):
-        t_op, h_op = loop(with_op)
-        host.append(h_op / n)
+        t_op, h_op = loop(with_op, n // k)
+        host.append(h_op / (n // k))
         if l2 == "cold":
-            t_fl, _ = loop(flush)
-            flush_s.append(t_fl / n)
+            t_fl, _ = loop(flush, n // k)
+            flush_s.append(t_fl / (n // k))
             samples.append(max((t_op - t_fl) / n, 1e-9))
         else:
             samples.append(t_op / n)
     del buf
     return Timing(l2, samples, statistics.median(host) * 1e6,
-                  statistics.median(flush_s) * 1e6 if flush_s else None)
+                  statistics.median(flush_s) * 1e6 if flush_s else None, k)
 
 
 def host_latency_s(fn, *, repeats: int, warmup: int = 1) -> list[float]:
@@ -358,14 +410,15 @@ non_negative_int = bounded_int(0)  # argparse type: an integer >= 0
 
 def add_common_args(p: argparse.ArgumentParser, *, reps: int, trials: int,
                     out_required: bool = True) -> argparse.ArgumentParser:
-    """--out DIR, --reps (calls per timed executable), --trials, --seed."""
+    """--out DIR, --reps (calls per sample), --trials, --seed."""
     if out_required:
         p.add_argument("--out", required=True, help="directory for the results")
     else:
         p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"),
                        help="directory for the results (default $OUT or /tmp/out)")
     p.add_argument("--reps", type=positive_int, default=reps,
-                   help=f"calls per timed executable (default {reps})")
+                   help=f"calls per sample (cold: a multiple of {CALLS_PER_DISPATCH}, the calls "
+                        f"looped in one executable, or fewer; default {reps})")
     p.add_argument("--trials", type=positive_int, default=trials,
                    help=f"samples per timing (default {trials})")
     p.add_argument("--seed", type=non_negative_int, default=0)

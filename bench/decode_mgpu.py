@@ -10,9 +10,9 @@ L in 8192/65536 with a random page permutation, 16 distinct selected blocks per 
 head) including the local (last) block; bf16. Bytes per call: K and V of 16 pages per KV head,
 ``B * Hkv * 16 * 128 * 256 * 2``.
 
-Timing: ``_common.time_jax`` with a cold L2 (the one timer of the bench scripts: one
-executable of (512 MiB flush; op) dispatched ``--reps`` times minus the flush-only executable;
-the median of ``--trials`` samples).
+Timing: ``_common.time_jax`` with a cold L2 (the one timer of the bench scripts: ``--reps``
+calls of (512 MiB flush; op), ten looped in each executable, minus as many flushes; the median
+of ``--trials`` samples).
 
 Numerics: at each shape both kernels are compared with ``sparse_decode_reference`` (relative
 L2 error of out, max abs error of lse). The XLA kernel count of each op's own executable is
@@ -79,7 +79,8 @@ def time_op(fn, args, *, reps: int, trials: int) -> dict:
     """Microseconds per call of ``fn(*args)`` with a cold L2 (``_common.time_jax``)."""
     t = time_jax(fn, args, n=reps, trials=trials, l2="cold")
     return dict(us=t.us, samples=[round(x * 1e6, 2) for x in t.samples_s],
-                host_us_per_call=t.host_us_per_call, flush_us=t.flush_us, gpu_bound=t.gpu_bound)
+                host_us_per_dispatch=t.host_us_per_dispatch, flush_us=t.flush_us,
+                gpu_bound=t.gpu_bound)
 
 
 def kernel_count(fn, args) -> int:

@@ -4,8 +4,8 @@ fused one (``msa_index_select``), bf16 (or e4m3 with ``--fp8``), at the 16 shape
 
 For each shape: whether the selections agree (as sets per row; they are computed from the
 same f32 scores, so they should be identical), the XLA kernel count of each op, and the
-cold-L2 time of each (``_common.time_jax``: one executable of (512 MiB flush; op) dispatched
-``--reps`` times minus the flush-only executable, median of ``--trials``). ``--grid`` adds
+cold-L2 time of each (``_common.time_jax``: ``--reps`` calls of (512 MiB flush; op), ten
+looped in each executable, minus as many flushes, median of ``--trials``). ``--grid`` adds
 Mosaic variants of the scores kernel's launch (grid size, ring depth). ``--parts`` times
 the two halves on their own instead (the DCP path's calls): the scores (``msa_index_scores``
 against ``msa_index_scores_mgpu``, their largest difference) and the select over the same f32

@@ -16,8 +16,9 @@ the same device buffers (DLPack) in one process:
   * the copy bandwidth (the roofline) in the same process.
 
 Timing (every figure GPU work after a 512 MiB L2 flush, medians over --rounds x --trials):
-  * ours: --reps x (flush; optimization_barrier; op) in ONE XLA executable minus --reps x flush
-    (bench/_common.time_jax, cold L2);
+  * ours: (flush; optimization_barrier; op) looped 10 x inside ONE XLA executable, dispatched
+    --reps / 10 x, minus the executable of 10 flushes as often (bench/_common.time_jax, cold
+    L2; the host's dispatch of an executable is checked against its flushes' device time);
   * vLLM: the faster of (graph) a CUDA graph of (flush; op) replayed --reps times minus a
     flush-only graph, and (eager) --reps x (flush x k; op) issued asynchronously minus
     --reps x (flush x k), valid only where the host time per iteration stayed under the flush
@@ -222,8 +223,9 @@ def ours_summary(timings: list) -> dict:
     samples = [x for t in timings for x in t.samples_s]
     return {"l2": "cold", "us": median_us(samples),
             "samples_us": [round(x * 1e6, 2) for x in samples],
-            "host_us_per_call": round(max(t.host_us_per_call for t in timings), 2),
+            "host_us_per_dispatch": round(max(t.host_us_per_dispatch for t in timings), 2),
             "flush_us": round(min(t.flush_us for t in timings), 2),
+            "calls_per_dispatch": timings[0].calls_per_dispatch,
             "gpu_bound": all(t.gpu_bound for t in timings)}
 
 
@@ -459,7 +461,8 @@ def print_row(r: dict) -> None:
             continue
         o = r["ours"][op]
         s = (f"{op} ours {o['us']:.1f} us [{r['kernels'][op]['total']} XLA kernels; dispatch "
-             f"{o['host_us_per_call']:.1f} us/call vs flush {o['flush_us']:.1f} us"
+             f"{o['host_us_per_dispatch']:.1f} us per executable of {o['calls_per_dispatch']} "
+             f"calls vs its flushes {o['flush_us']:.1f} us"
              f"{'' if o['gpu_bound'] else ': HOST-BOUND'}]")
         v = r.get("vllm", {}).get(op)
         if v and v.get("us"):

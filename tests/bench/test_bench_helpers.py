@@ -16,6 +16,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "bench")
@@ -106,7 +107,7 @@ def test_time_jax_samples_and_checks(l2):
     t = _common.time_jax(lambda a, b: jnp.tanh(a) @ b, (x, x.T), n=3, trials=2, l2=l2)
     assert t.l2 == l2 and len(t.samples_s) == 2
     chex.assert_tree_all_finite(np.asarray(t.samples_s))
-    assert all(s > 0 for s in t.samples_s) and t.us > 0 and t.host_us_per_call > 0
+    assert all(s > 0 for s in t.samples_s) and t.us > 0 and t.host_us_per_dispatch > 0
     assert (t.flush_us is not None) == (l2 == "cold")
     d = t.as_dict()
     assert d["l2"] == l2 and len(d["samples_us"]) == 2 and isinstance(d["gpu_bound"], bool)
@@ -197,8 +198,8 @@ def test_best_valid_without_a_valid_timing():
 
 def _fake_result():
     acc, state = _vllm_records(eager_host_us=300.0)
-    ours = {"us": 5.0, "samples_us": [5.0], "host_us_per_call": 20.0, "flush_us": 120.0,
-            "gpu_bound": True}
+    ours = {"us": 5.0, "samples_us": [5.0], "host_us_per_dispatch": 20.0, "flush_us": 1200.0,
+            "calls_per_dispatch": 10, "gpu_bound": True}
     kc = {"total": 2, "by_opcode": {"custom-call": 2}, "loops": False}
     row = {"hq": 16, "hkv": 1, "batch": 1, "context": 8192,
            "bytes": {"indexer": 2 << 20, "decode": 1 << 20},
@@ -318,3 +319,17 @@ def test_index_select_mgpu_grid_names_each_combination():
                               "mgpu_ctas528_ns3", "mgpu_ns4"]
     assert variants["mgpu_ctas0_ns3"].keywords == dict(num_stages=3)
     assert variants["mgpu_ctas528_ns2"].keywords == dict(num_ctas=528, num_stages=2)
+
+
+def test_cold_executable_loops_flush_and_op():
+    """The cold timer's executable: the first call peeled, the other k - 1 in a while loop of
+    known trip count whose body holds both the flush and the op (not hoisted out)."""
+    f = jnp.sort
+    x = jnp.ones((64,), jnp.float32)
+    buf = jnp.zeros((_common.FLUSH_BYTES // 4,), jnp.float32)
+    hlo = _common._executable(f, "cold", 4).lower(buf, (x,)).compile().as_text()
+    trip, body = _common.cold_loop_body(hlo)
+    assert trip == 3
+    assert " sort(" in body and "add" in body  # the op and the flush, each iteration
+    with pytest.raises(ValueError, match="multiple of calls_per_dispatch"):
+        _common.time_jax(f, (x,), n=15, trials=1, l2="cold")
