@@ -4,19 +4,17 @@
   ``python3 bench/kernels.py``) and filters the one known warning (the Pallas Triton
   backend's deprecation), nothing else.
 - ``time_jax``: the one timer of our JAX ops, in two L2 modes named in every output:
-  ``"cold"``: ONE jitted executable holds ``k`` calls (``CALLS_PER_DISPATCH``, at most
-  ``n``), each (512 MiB flush; optimization_barrier; op), as a loop of ``k`` iterations (a
-  while loop with a known trip count: no host round trip between iterations). It is
-  dispatched ``n / k`` times back to back, then the executable of ``k`` flushes alone as
-  often; a sample is the wall-time difference over ``n``. The barrier ties each iteration's
-  op inputs to its flush, so XLA cannot hoist the op out of the loop, and each iteration
-  runs its flush and its op alone: every op runs right after a flush whatever order XLA gives
-  the two inside the loop body. Each loop starts behind the same pre-roll of
-  ``PREROLL_FLUSHES`` flush-only calls, so the device is already busy when the loop's clock
-  starts. The ``k`` flushes of one dispatch outlast the host's dispatch of it many times
-  over, so the device queue never drains and the figure is device time
-  (``Timing.gpu_bound`` records the check). With ``k = 1`` this is the per-call timer of
-  earlier sessions, whose host dispatch (190-520 us per call) came close to one flush.
+  ``"cold"``: ONE jitted executable runs ``k`` calls (``CALLS_PER_DISPATCH``, at most ``n``),
+  each (512 MiB flush; optimization_barrier; op), as a while loop of known trip count. On a
+  GPU it reads the GPU's global timer (``_gpu_clock``) before the loop and after it, so a
+  dispatch yields the device time of its ``k`` calls, as CUDA events do on the torch side; it
+  is dispatched ``n / k`` times, then the executable of ``k`` flushes alone as often, and a
+  sample is the difference of the summed device times over ``n``. The barrier ties each
+  iteration's op inputs to its flush, so XLA cannot hoist the op out of the loop; the
+  compiled loop body is checked to launch the flush first (``check_flush_first``), so every
+  op runs right after a flush. Without the GPU timer (``clock=False``, and on a CPU) the
+  sample is wall time of the loops of dispatches instead, each loop behind a pre-roll of
+  ``PREROLL_FLUSHES`` flush-only calls so the device is busy when its clock starts.
   ``"warm"``: the op's executable dispatched ``n`` times back to back, no flush: inputs that fit
   may stay in L2; wall time over ``n``, device time only where the op outlasts its dispatch
   (``gpu_bound``).
@@ -55,6 +53,8 @@ import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 from jax_msa_runner.flags import bounded_int  # noqa: E402
 
+from _gpu_clock import clock_ns, read_clock  # noqa: E402
+
 ON_GPU = jax.default_backend() == "gpu"
 # Pallas keyword for this backend: compiled on a GPU, interpret mode elsewhere (CPU smoke runs).
 PALLAS_KW: dict = {} if ON_GPU else {"interpret": True}
@@ -65,21 +65,25 @@ FLUSH_BYTES = 512 << 20
 # Cold calls per executable (a dispatch): their flushes outlast the host's dispatch of the
 # executable (190-520 us measured per dispatch on the H200 host) about five times over.
 CALLS_PER_DISPATCH = 10
-# Flush-only calls dispatched before each timed cold loop: about 1 ms of device work, longer
-# than the host's dispatch of the loop's first call, so the device never waits for it.
+# Flush-only calls dispatched before each cold wall-clock loop: about 1 ms of device work,
+# longer than the host's dispatch of the loop's first call, so the device never waits for it.
 PREROLL_FLUSHES = 4
 
 
-def timer_description(l2: str, n: int, calls_per_dispatch: int = CALLS_PER_DISPATCH) -> str:
+def timer_description(l2: str, n: int, calls_per_dispatch: int = CALLS_PER_DISPATCH,
+                      clock: bool | None = None) -> str:
     """One line naming how ``time_jax`` measured (for JSON and printed tables)."""
     _check_l2(l2)
     if l2 == "cold":
         k = _calls(n, calls_per_dispatch)
+        clock = ON_GPU if clock is None else clock
+        how = ("the GPU's global timer read before and after the loop inside the executable"
+               if clock else f"wall clock, each loop behind {PREROLL_FLUSHES} flush-only "
+               f"calls dispatched before its clock starts")
         return (f"cold L2: one XLA executable looping {k} x ({FLUSH_BYTES >> 20} MiB flush; "
-                f"optimization_barrier; op), dispatched {n // k} x back to back ({n} calls), "
-                f"minus the executable of {k} flushes as often, per call; each loop behind "
-                f"{PREROLL_FLUSHES} flush-only calls dispatched before its clock starts")
-    return (f"warm L2: the op's XLA executable dispatched {n} x back to back (no flush), "
+                f"optimization_barrier; op), dispatched {n // k} x ({n} calls), minus the "
+                f"executable of {k} flushes as often, per call; {how}")
+    return (f"warm L2: the op's executable dispatched {n} x back to back (no flush), "
             f"wall time per call")
 
 
@@ -105,8 +109,9 @@ class Timing:
     l2: str
     samples_s: list
     host_us_per_dispatch: float  # host time to dispatch one executable (median over trials)
-    flush_us: float | None  # cold: wall per dispatch of the flush-only loop (k flushes)
+    flush_us: float | None  # cold: time per dispatch of the flush-only loop (k flushes)
     calls_per_dispatch: int = 1  # op calls per executable (cold: k; warm: 1)
+    clock: bool = False  # cold: samples from the GPU's timer (else the host's wall clock)
 
     @property
     def us(self) -> float:
@@ -114,8 +119,11 @@ class Timing:
 
     @property
     def gpu_bound(self) -> bool:
-        """The host dispatched each executable faster than the device ran it (its flushes,
-        when cold; the op itself, when warm), so the samples are device time."""
+        """The samples are device time: read from the GPU's timer (cold, ``clock``), or the
+        host dispatched each executable faster than the device ran it (its flushes, when cold;
+        the op itself, when warm)."""
+        if self.clock:
+            return True
         return self.host_us_per_dispatch < (self.flush_us if self.l2 == "cold" else self.us)
 
     def as_dict(self) -> dict:
@@ -123,43 +131,41 @@ class Timing:
                 "samples_us": [round(v * 1e6, 3) for v in self.samples_s],
                 "host_us_per_dispatch": round(self.host_us_per_dispatch, 2),
                 "flush_us": None if self.flush_us is None else round(self.flush_us, 2),
-                "calls_per_dispatch": self.calls_per_dispatch,
+                "calls_per_dispatch": self.calls_per_dispatch, "gpu_clock": self.clock,
                 "gpu_bound": self.gpu_bound}
 
 
-def _flush(buf: jax.Array) -> jax.Array:
+def _flush(buf: jax.Array, after=0.0) -> jax.Array:
     """Rewrites the whole flush buffer (read + write): evicts the L2. The dirty lines it leaves
     are written back during the timed op (extra DRAM traffic, paid by every side alike). A
-    read-only pass left part of the previous inputs in L2 on the H200: not a cold L2."""
-    return buf + 1.0
-
-
-@functools.lru_cache(maxsize=8)
-def _flush_only(calls: int):
-    """jit of ``calls`` flushes in a loop (the cold timer's baseline executable)."""
-    def flushes(buf):
-        return jax.lax.fori_loop(
-            0, calls, lambda _, b: jax.lax.optimization_barrier(_flush(b)), buf)
-    return jax.jit(flushes, donate_argnums=0)
+    read-only pass left part of the previous inputs in L2 on the H200: not a cold L2.
+    ``after``: a zero scalar the flush adds, to order it after the kernel that wrote it."""
+    return buf + (1.0 + after)
 
 
 @functools.lru_cache(maxsize=64)
-def _executable(fn, l2: str, calls: int = 1):
-    """jit of ``calls`` x (flush; optimization_barrier; fn) in a loop (cold) or of fn (warm),
-    cached per (fn, l2, calls): pass the same function object to reuse the executable. The
-    first call is peeled off the loop, so the loop carries fn's outputs without initial
-    values (no memset of them in the timed executable)."""
+def _executable(fn, l2: str, calls: int = 1, clock: bool = False):
+    """warm: jit of fn. cold: jit of ``(buf, args) -> (buf, out, stamps)`` running ``calls``
+    x (flush; optimization_barrier; fn) as a loop (fn None: the flushes alone), buf donated.
+    ``clock``: ``stamps`` = the GPU timer read before the loop (after fn's initial outputs are
+    written; the loop's flushes read it) and after it (after its last outputs), else None.
+    Cached per (fn, l2, calls, clock): pass the same function object to reuse it."""
     if l2 == "warm":
         return jax.jit(fn)
 
-    def call(buf, args):
-        buf, args = jax.lax.optimization_barrier((_flush(buf), args))
-        return buf, fn(*args)
+    def timed(buf, args):
+        out = None if fn is None else jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
+        t0 = read_clock(buf, out) if clock else None
+        after = 0.0 if t0 is None else 0.0 * t0[0].astype(jnp.float32)
 
-    def flushed(buf, args):
-        return jax.lax.fori_loop(1, calls, lambda _, carry: call(carry[0], args),
-                                 call(buf, args))
-    return jax.jit(flushed, donate_argnums=0)
+        def body(_, carry):
+            b, o = carry
+            b, a = jax.lax.optimization_barrier((_flush(b, after), args))
+            return b, (o if fn is None else fn(*a))
+        buf, out = jax.lax.fori_loop(0, calls, body, (buf, out))
+        return buf, out, (None if t0 is None else (t0, read_clock(buf, out)))
+    return jax.jit(timed, donate_argnums=0)
 
 
 def cold_loop_body(hlo_text: str) -> tuple[int, str]:
@@ -168,13 +174,27 @@ def cold_loop_body(hlo_text: str) -> tuple[int, str]:
     calls in a loop and did not hoist the op out of it."""
     entry = hlo_text[hlo_text.index("\nENTRY "):] if "\nENTRY " in hlo_text else ""
     loops = [line for line in entry.splitlines() if " while(" in line]
-    loop = loops[-1] if loops else None  # after the peeled call's own loops (interpreted)
+    loop = loops[-1] if loops else None
     trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop or "")
     if loop is None or trip is None:
         raise ValueError("no while loop with a known trip count in the HLO")
     name = re.search(r"body=(%[\w.\-]+)", loop).group(1)
     body = hlo_text[hlo_text.index(f"\n{name} "):]
     return int(trip.group(1)), body[:body.index("\n}")]
+
+
+def check_flush_first(body_text: str) -> None:
+    """Raises ValueError unless the first kernel of a cold loop's body (a scheduled HLO
+    computation: fusions and custom calls in launch order, scalar ones such as the loop
+    counter aside) is the flush, so each iteration's op runs right after its own flush."""
+    for line in body_text.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%[\w.\-]+ = (\S+) (fusion|custom-call)\(", line)
+        if m is None or re.fullmatch(r"\w+\[\]\S*", m.group(1)):
+            continue
+        if not m.group(1).startswith(f"f32[{FLUSH_BYTES // 4}]"):
+            raise ValueError(f"the cold loop's first kernel is not the flush: {line.strip()}")
+        return
+    raise ValueError("no kernel in the cold loop's body")
 
 
 @contextlib.contextmanager
@@ -191,70 +211,96 @@ def no_gc():
 
 
 def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
-             preroll: int = PREROLL_FLUSHES,
-             calls_per_dispatch: int = CALLS_PER_DISPATCH) -> Timing:
+             preroll: int = PREROLL_FLUSHES, calls_per_dispatch: int = CALLS_PER_DISPATCH,
+             clock: bool | None = None) -> Timing:
     """Seconds per call of ``fn(*args)`` (see the module docstring), one sample per trial.
 
     fn: a jax function of arrays (pytrees allowed); args: its positional arguments.
     n: calls per sample (cold: a multiple of ``min(calls_per_dispatch, n)``).
     l2: "cold" or "warm" (required: every call site names its mode).
-    preroll: flush-only calls dispatched before each cold loop's clock starts (0: the timer
-      before the pre-roll; ``bench/timer_check.py`` compares the two).
+    preroll: flush-only calls dispatched before each cold wall-clock loop's clock starts.
     calls_per_dispatch: cold calls looped inside one executable (1: one call per dispatch).
+    clock: cold only: time with the GPU's timer read inside each executable (None: on a GPU);
+      False: the host's wall clock around the loops of dispatches.
     """
     _check_l2(l2)
     if n < 1 or trials < 1 or preroll < 0:
         raise ValueError(f"n and trials must be >= 1 and preroll >= 0, got n={n}, "
                          f"trials={trials}, preroll={preroll}")
-    k = _calls(n, calls_per_dispatch) if l2 == "cold" else 1
-    ex = _executable(fn, l2, k)
-    buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32) if l2 == "cold" else None
+    if l2 == "warm":
+        return _time_warm(fn, args, n=n, trials=trials)
+    k = _calls(n, calls_per_dispatch)
+    clock = ON_GPU if clock is None else bool(clock)
+    buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32)
+    ex, fl = _compiled(fn, k, clock, args), _compiled(None, k, clock, ())
 
-    def loop(step, dispatches) -> tuple[float, float]:
-        """(wall s, host dispatch s) of ``dispatches`` async calls of step, then one block;
-        cold: behind ``preroll`` flush-only calls dispatched before the clock starts."""
+    def loop(step_args, dispatches, *, before=0) -> tuple[float, float]:
+        """(seconds, host dispatch s) of ``dispatches`` async calls; seconds: the stamps'
+        device time (clock), else wall time behind ``before`` flush-only calls."""
+        nonlocal buf
+        step, a = step_args
         with no_gc():
-            if l2 == "cold":
-                for _ in range(preroll):
-                    preroll_flush()
+            for _ in range(before):
+                buf = fl(buf, ())[0]
+            stamps = []
             t0 = time.perf_counter()
             for _ in range(dispatches):
-                out = step()
+                buf, out, st = step(buf, a)
+                stamps.append(st)
+            t1 = time.perf_counter()
+            jax.block_until_ready((buf, out, stamps))
+            wall = time.perf_counter() - t0
+        if not clock:
+            return wall, t1 - t0
+        return sum(clock_ns(b) - clock_ns(s) for s, b in stamps) * 1e-9, t1 - t0
+
+    jax.block_until_ready(loop((ex, args), 1))  # warm-up
+    jax.block_until_ready(loop((fl, ()), 1))
+    samples, host, flush_s = [], [], []
+    before = 0 if clock else preroll
+    for _ in range(trials):
+        t_op, h_op = loop((ex, args), n // k, before=before)
+        t_fl, _ = loop((fl, ()), n // k, before=before)
+        host.append(h_op / (n // k))
+        flush_s.append(t_fl / (n // k))
+        samples.append(max((t_op - t_fl) / n, 1e-9))
+    del buf
+    return Timing("cold", samples, statistics.median(host) * 1e6,
+                  statistics.median(flush_s) * 1e6, k, clock)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn, calls: int, clock: bool, args: tuple):
+    """The compiled cold executable of fn (None: the flushes alone) for args' shapes and
+    dtypes, cached; with the GPU timer and a loop, checked to launch the flush first."""
+    key = (fn, calls, clock, jax.tree.structure(args),
+           tuple((a.shape, jnp.dtype(a.dtype)) for a in jax.tree.leaves(args)))
+    if key not in _COMPILED:
+        buf = jax.ShapeDtypeStruct((FLUSH_BYTES // 4,), jnp.float32)
+        ex = _executable(fn, "cold", calls, clock).lower(buf, args).compile()
+        if clock and calls > 1 and fn is not None:
+            check_flush_first(cold_loop_body(ex.as_text())[1])
+        _COMPILED[key] = ex
+    return _COMPILED[key]
+
+
+def _time_warm(fn, args: tuple, *, n: int, trials: int) -> Timing:
+    """The warm mode of :func:`time_jax`: wall time of ``n`` dispatches of fn's executable."""
+    ex = _executable(fn, "warm")
+    jax.block_until_ready(ex(*args))  # compile + warm-up
+    samples, host = [], []
+    for _ in range(trials):
+        with no_gc():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out = ex(*args)
             t1 = time.perf_counter()
             jax.block_until_ready(out)
-            return time.perf_counter() - t0, t1 - t0
-
-    def with_op():
-        nonlocal buf
-        if l2 == "warm":
-            return ex(*args)
-        buf, out = ex(buf, args)
-        return buf, out
-
-    def flushes(fl):
-        nonlocal buf
-        buf = fl(buf)
-        return buf
-
-    flush, preroll_flush = (functools.partial(flushes, _flush_only(k)),
-                            functools.partial(flushes, _flush_only(1)))
-    jax.block_until_ready(with_op())  # compile + warm-up
-    if l2 == "cold":
-        jax.block_until_ready(flush())
-        jax.block_until_ready(preroll_flush())
-    samples, host, flush_s = [], [], []
-    for _ in range(trials):
-        t_op, h_op = loop(with_op, n // k)
-        host.append(h_op / (n // k))
-        if l2 == "cold":
-            t_fl, _ = loop(flush, n // k)
-            flush_s.append(t_fl / (n // k))
-            samples.append(max((t_op - t_fl) / n, 1e-9))
-        else:
-            samples.append(t_op / n)
-    del buf
-    return Timing(l2, samples, statistics.median(host) * 1e6,
-                  statistics.median(flush_s) * 1e6 if flush_s else None, k)
+            samples.append((time.perf_counter() - t0) / n)
+        host.append((t1 - t0) / n)
+    return Timing("warm", samples, statistics.median(host) * 1e6, None)
 
 
 def host_latency_s(fn, *, repeats: int, warmup: int = 1) -> list[float]:

@@ -16,9 +16,9 @@ the same device buffers (DLPack) in one process:
   * the copy bandwidth (the roofline) in the same process.
 
 Timing (every figure GPU work after a 512 MiB L2 flush, medians over --rounds x --trials):
-  * ours: (flush; optimization_barrier; op) looped 10 x inside ONE XLA executable, dispatched
-    --reps / 10 x, minus the executable of 10 flushes as often (bench/_common.time_jax, cold
-    L2; the host's dispatch of an executable is checked against its flushes' device time);
+  * ours: (flush; optimization_barrier; op) looped 10 x inside ONE XLA executable, the GPU's
+    global timer read inside it before and after the loop, dispatched --reps / 10 x, minus
+    the executable of 10 flushes as often (bench/_common.time_jax, cold L2);
   * vLLM: the faster of (graph) a CUDA graph of (flush; op) replayed --reps times minus a
     flush-only graph, and (eager) --reps x (flush x k; op) issued asynchronously minus
     --reps x (flush x k), valid only where the host time per iteration stayed under the flush

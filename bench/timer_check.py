@@ -1,18 +1,14 @@
 """H200 check of ``_common.time_jax``'s cold-L2 timer, three ways in one process.
 
-- ``before`` (``preroll=0``, one call per dispatch): each loop's clock starts on an idle
-  device, so a sample carries (host time of the op executable's first dispatch - that of the
-  flush's) / n: a bias that shrinks as 1 / n.
-- ``per-call`` (the pre-roll, one call per dispatch): the timer until the sixteenth session.
-  The device is busy when the clock starts, but the host's dispatch of each executable comes
-  close to the flush's device time, so host jitter can drain the queue mid-loop.
-- ``default`` (the pre-roll, ``CALLS_PER_DISPATCH`` calls looped in one executable): the
-  host dispatches an executable in a fraction of its flushes' device time.
-For each op, timer and n in ``--ns``, this prints the median and the spread of ``--trials``
-samples; the figure should depend on neither n nor the timer where the timer is GPU-bound.
-
-Ops: the default sparse decode (``sparse_decode_default``) at ``--shapes`` (Hq/Hkv/B/L, inputs
-of ``decode_mgpu.make_inputs``) and ``tiny``, a 4 KiB elementwise op.
+- ``per-call wall``: one call per executable, the host's wall clock around each loop of
+  dispatches behind a pre-roll of flushes (the timer of the first fifteen sessions). The host's
+  dispatch of an executable comes close to one flush's device time, so host jitter can drain
+  the queue mid-loop; the wall clock also carries the host's wake-up at the end.
+- ``looped wall``: ``CALLS_PER_DISPATCH`` calls looped in one executable, the same wall clock.
+- ``default``: the same loop, timed by the GPU's global timer read inside the executable
+  before and after the loop.
+For each op and n in ``--ns``, this prints the median and the spread of ``--trials`` samples,
+and checks that each op's default executable keeps the calls in a loop with the flush first.
 
 Usage (GPU machine): python3 bench/timer_check.py --out results.json [--ns 100,200]
   [--trials 6] [--shapes 16/1/1/8192,...]
@@ -24,16 +20,16 @@ import statistics
 
 import _common  # noqa: F401  (imported first for its preamble)
 import jax.numpy as jnp  # noqa: E402
-from _common import (CALLS_PER_DISPATCH, FLUSH_BYTES, PREROLL_FLUSHES,  # noqa: E402
-                     _executable, cold_loop_body, positive_int, time_jax, write_json)
+from _common import (CALLS_PER_DISPATCH, FLUSH_BYTES, ON_GPU, _executable,  # noqa: E402
+                     check_flush_first, cold_loop_body, positive_int, time_jax, write_json)
 
 from decode_mgpu import SCALE, make_inputs, parse_shapes, shape_id  # noqa: E402
 from pallas_kernels.sparse_decode_default import sparse_decode_default  # noqa: E402
 
 
-TIMERS = {"before": dict(preroll=0, calls_per_dispatch=1),
-          "per-call": dict(preroll=PREROLL_FLUSHES, calls_per_dispatch=1),
-          "default": dict(preroll=PREROLL_FLUSHES, calls_per_dispatch=CALLS_PER_DISPATCH)}
+TIMERS = {"per-call wall": dict(calls_per_dispatch=1, clock=False),
+          "looped wall": dict(calls_per_dispatch=CALLS_PER_DISPATCH, clock=False),
+          "default": dict(calls_per_dispatch=CALLS_PER_DISPATCH)}
 
 
 def decode_op(q, kv, sel, bt, req, lens):
@@ -60,11 +56,13 @@ def main() -> None:
     loops = {}
     for name, fn, args in ops:  # the default timer's executable keeps the op in its loop
         buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32)
-        hlo = _executable(fn, "cold", CALLS_PER_DISPATCH).lower(buf, args).compile().as_text()
-        trip, body = cold_loop_body(hlo)
+        hlo = _executable(fn, "cold", CALLS_PER_DISPATCH, ON_GPU).lower(buf, args).compile()
+        trip, body = cold_loop_body(hlo.as_text())
+        if ON_GPU:
+            check_flush_first(body)
         loops[name] = dict(trip_count=trip, custom_calls=body.count(" custom-call("),
-                           fusions=body.count(" fusion("))
-        print(f"{name}: loop of {trip} (+1 peeled), body: {loops[name]}", flush=True)
+                           fusions=body.count(" fusion("), flush_first=ON_GPU)
+        print(f"{name}: loop of {trip}, body: {loops[name]}", flush=True)
         del buf
     rows = []
     print("| op | timer | n | median us | min-max us | host us/dispatch |")
@@ -74,7 +72,7 @@ def main() -> None:
             for n in ns:
                 t = time_jax(fn, args, n=n, trials=a.trials, l2="cold", **kw)
                 us = [v * 1e6 for v in t.samples_s]
-                rows.append(dict(op=name, timer=timer, n=n, preroll=kw["preroll"], **t.as_dict()))
+                rows.append(dict(op=name, timer=timer, n=n, **t.as_dict()))
                 print(f"| {name} | {timer} | {n} | {statistics.median(us):.2f} | "
                       f"{min(us):.2f}-{max(us):.2f} | {t.host_us_per_dispatch:.0f} |", flush=True)
     write_json(a.out, dict(ns=ns, trials=a.trials, loops=loops, rows=rows))

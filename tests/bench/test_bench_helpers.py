@@ -322,14 +322,28 @@ def test_index_select_mgpu_grid_names_each_combination():
 
 
 def test_cold_executable_loops_flush_and_op():
-    """The cold timer's executable: the first call peeled, the other k - 1 in a while loop of
-    known trip count whose body holds both the flush and the op (not hoisted out)."""
-    f = jnp.sort
+    """The cold timer's executable: k calls in a while loop of known trip count whose body
+    holds both the flush and the op (not hoisted out); the flush-first check on its text."""
     x = jnp.ones((64,), jnp.float32)
     buf = jnp.zeros((_common.FLUSH_BYTES // 4,), jnp.float32)
-    hlo = _common._executable(f, "cold", 4).lower(buf, (x,)).compile().as_text()
+    hlo = _common._executable(jnp.sort, "cold", 4).lower(buf, (x,)).compile().as_text()
     trip, body = _common.cold_loop_body(hlo)
-    assert trip == 3
+    assert trip == 4
     assert " sort(" in body and "add" in body  # the op and the flush, each iteration
     with pytest.raises(ValueError, match="multiple of calls_per_dispatch"):
-        _common.time_jax(f, (x,), n=15, trials=1, l2="cold")
+        _common.time_jax(jnp.sort, (x,), n=15, trials=1, l2="cold")
+
+
+def test_check_flush_first():
+    flush = f"f32[{_common.FLUSH_BYTES // 4}]{{0}}"
+    ok = (f"%body (p: s32[]) -> s32[] {{\n  %add = s32[] fusion(%a), kind=kLoop\n"
+          f"  %flush = {flush} fusion(%b), kind=kLoop\n"
+          f"  %op = bf16[4,8]{{1,0}} custom-call(%c), custom_call_target=\"mosaic_gpu\"")
+    _common.check_flush_first(ok)
+    bad = ok.replace("%flush", "%tmp").replace("%op =", "%flush =")
+    bad = "\n".join([bad.splitlines()[0], bad.splitlines()[1], bad.splitlines()[3],
+                     bad.splitlines()[2]])
+    with pytest.raises(ValueError, match="not the flush"):
+        _common.check_flush_first(bad)
+    with pytest.raises(ValueError, match="no kernel"):
+        _common.check_flush_first("%body () -> () {")
