@@ -9,6 +9,7 @@
   before and after the loop.
 For each op and n in ``--ns``, this prints the median and the spread of ``--trials`` samples,
 and checks that each op's default executable keeps the calls in a loop with the flush first.
+Its JSON keeps each loop's compiled body and entry computation (the flush-only loop too).
 
 Usage (GPU machine): python3 bench/timer_check.py --out results.json [--ns 100,200]
   [--trials 6] [--shapes 16/1/1/8192,...]
@@ -24,6 +25,7 @@ from _common import (CALLS_PER_DISPATCH, FLUSH_BYTES, ON_GPU, _executable,  # no
                      check_flush_first, cold_loop_body, positive_int, time_jax, write_json)
 
 from decode_mgpu import SCALE, make_inputs, parse_shapes, shape_id  # noqa: E402
+from pallas_kernels.index_select_default import msa_index_select_default  # noqa: E402
 from pallas_kernels.sparse_decode_default import sparse_decode_default  # noqa: E402
 
 
@@ -40,6 +42,17 @@ def tiny_op(x):
     return x + 1.0
 
 
+def indexer_inputs(shape, seed: int) -> tuple:
+    """The default indexer's arguments at ``shape`` (bench/_shapes_inputs, bf16)."""
+    from _shapes_inputs import make_inputs as shape_inputs
+    x = shape_inputs(shape, seed)
+    return (x["index_q"], x["index_k"], x["block_table"], x["req_indices"], x["positions"])
+
+
+def indexer_op(index_q, index_k, block_table, req, positions):
+    return msa_index_select_default(index_q, index_k, block_table, req, positions)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -47,22 +60,30 @@ def main() -> None:
                     default="100,200", help="loop lengths n, comma-separated")
     ap.add_argument("--trials", type=positive_int, default=6)
     ap.add_argument("--shapes", default="16/1/1/8192,16/1/16/8192,16/1/128/8192")
+    ap.add_argument("--indexer-shapes", default="",
+                    help="the default indexer too, at these Hq/Hkv/B/L shapes")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     ns = a.ns
     ops = [(f"decode {shape_id(sh)}", decode_op, make_inputs(sh, a.seed))
            for sh in parse_shapes(a.shapes)]
+    ops += [(f"indexer {shape_id(sh)}", indexer_op, indexer_inputs(sh, a.seed))
+            for sh in (parse_shapes(a.indexer_shapes) if a.indexer_shapes else [])]
     ops.append(("tiny", tiny_op, (jnp.zeros((1024,), jnp.float32),)))
     loops = {}
-    for name, fn, args in ops:  # the default timer's executable keeps the op in its loop
+    for name, fn, args in [("flush-only", None, ()), *ops]:  # the default timer's loops
         buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32)
         hlo = _executable(fn, "cold", CALLS_PER_DISPATCH, ON_GPU).lower(buf, args).compile()
         trip, body = cold_loop_body(hlo.as_text())
         if ON_GPU:
             check_flush_first(body)
+        text = hlo.as_text()
         loops[name] = dict(trip_count=trip, custom_calls=body.count(" custom-call("),
-                           fusions=body.count(" fusion("), flush_first=ON_GPU)
-        print(f"{name}: loop of {trip}, body: {loops[name]}", flush=True)
+                           fusions=body.count(" fusion("), body=body,
+                           entry=text[text.index("\nENTRY "):])
+        print(f"{name}: loop of {trip}, body: " + str({k: v for k, v in loops[name].items()
+                                                      if k not in ("body", "entry")}),
+              flush=True)
         del buf
     rows = []
     print("| op | timer | n | median us | min-max us | host us/dispatch |")
