@@ -9,7 +9,8 @@
   before and after the loop.
 For each op and n in ``--ns``, this prints the median and the spread of ``--trials`` samples,
 and checks that each op's default executable keeps the calls in a loop with the flush first.
-Its JSON keeps each loop's compiled body and entry computation (the flush-only loop too).
+Its JSON lists the kernels of each loop's compiled body and entry computation (the
+flush-only loop's too).
 
 Usage (GPU machine): python3 bench/timer_check.py --out results.json [--ns 100,200]
   [--trials 6] [--shapes 16/1/1/8192,...]
@@ -17,6 +18,7 @@ Usage (GPU machine): python3 bench/timer_check.py --out results.json [--ns 100,2
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 
 import _common  # noqa: F401  (imported first for its preamble)
@@ -53,6 +55,13 @@ def indexer_op(index_q, index_k, block_table, req, positions):
     return msa_index_select_default(index_q, index_k, block_table, req, positions)
 
 
+def _kernel_lines(hlo_text: str) -> list[str]:
+    """The fusion, custom-call and while lines of HLO text in order, each cut to 240
+    characters (Mosaic GPU calls carry their whole module)."""
+    return [line.strip()[:240] for line in hlo_text.splitlines()
+            if re.search(r" (fusion|custom-call|while)\(", line)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -79,10 +88,10 @@ def main() -> None:
             check_flush_first(body)
         text = hlo.as_text()
         loops[name] = dict(trip_count=trip, custom_calls=body.count(" custom-call("),
-                           fusions=body.count(" fusion("), body=body,
-                           entry=text[text.index("\nENTRY "):])
+                           fusions=body.count(" fusion("), body_kernels=_kernel_lines(body),
+                           entry_kernels=_kernel_lines(text[text.index("\nENTRY "):]))
         print(f"{name}: loop of {trip}, body: " + str({k: v for k, v in loops[name].items()
-                                                      if k not in ("body", "entry")}),
+                                                      if not k.endswith("_kernels")}),
               flush=True)
         del buf
     rows = []
