@@ -65,8 +65,9 @@ FLUSH_BYTES = 512 << 20
 # Cold calls per executable (a dispatch): their flushes outlast the host's dispatch of the
 # executable (190-520 us measured per dispatch on the H200 host) about five times over.
 CALLS_PER_DISPATCH = 10
-# Flush-only calls dispatched before each cold wall-clock loop: about 1 ms of device work,
-# longer than the host's dispatch of the loop's first call, so the device never waits for it.
+# Flush-only dispatches (each of k flushes) before each cold wall-clock loop: at least 1 ms of
+# device work, longer than the host's dispatch of the loop's first call, so the device never
+# waits for it.
 PREROLL_FLUSHES = 4
 
 
@@ -254,8 +255,8 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
             return wall, t1 - t0
         return sum(clock_ns(b) - clock_ns(s) for s, b in stamps) * 1e-9, t1 - t0
 
-    jax.block_until_ready(loop((ex, args), 1))  # warm-up
-    jax.block_until_ready(loop((fl, ()), 1))
+    loop((ex, args), 1)  # warm-up (each loop blocks on its results)
+    loop((fl, ()), 1)
     samples, host, flush_s = [], [], []
     before = 0 if clock else preroll
     for _ in range(trials):
