@@ -56,10 +56,11 @@ def indexer_op(index_q, index_k, block_table, req, positions):
 
 
 def _kernel_lines(hlo_text: str) -> list[str]:
-    """The fusion, custom-call and while lines of HLO text in order, each cut to 240
-    characters (Mosaic GPU calls carry their whole module)."""
+    """The fusion, custom-call, while and call lines of HLO text in order (a call is how XLA
+    outlines a command buffer: a CUDA graph), each cut to 240 characters (Mosaic GPU calls
+    carry their whole module)."""
     return [line.strip()[:240] for line in hlo_text.splitlines()
-            if re.search(r" (fusion|custom-call|while)\(", line)]
+            if re.search(r" (fusion|custom-call|while|call)\(", line)]
 
 
 def main() -> None:
