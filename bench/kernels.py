@@ -226,6 +226,7 @@ def ours_summary(timings: list) -> dict:
             "host_us_per_dispatch": round(max(t.host_us_per_dispatch for t in timings), 2),
             "flush_us": round(min(t.flush_us for t in timings), 2),
             "calls_per_dispatch": timings[0].calls_per_dispatch,
+            "gpu_clock": all(t.clock for t in timings),
             "gpu_bound": all(t.gpu_bound for t in timings)}
 
 
@@ -463,6 +464,7 @@ def print_row(r: dict) -> None:
         s = (f"{op} ours {o['us']:.1f} us [{r['kernels'][op]['total']} XLA kernels; dispatch "
              f"{o['host_us_per_dispatch']:.1f} us per executable of {o['calls_per_dispatch']} "
              f"calls vs its flushes {o['flush_us']:.1f} us"
+             f"{'; GPU clock' if o.get('gpu_clock') else ''}"
              f"{'' if o['gpu_bound'] else ': HOST-BOUND'}]")
         v = r.get("vllm", {}).get(op)
         if v and v.get("us"):
