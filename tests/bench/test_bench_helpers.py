@@ -347,3 +347,18 @@ def test_check_flush_first():
         _common.check_flush_first(bad)
     with pytest.raises(ValueError, match="no kernel"):
         _common.check_flush_first("%body () -> () {")
+
+
+def test_gpu_clock_lowers_and_joins_words():
+    """The timer kernel lowers for an abstract H200 as one Mosaic GPU call that takes its
+    dependencies as operands; clock_ns joins its two int32 words (the low one may read
+    negative) into the 64-bit count."""
+    import _gpu_clock
+    from pallas_kernels._lowering import custom_call_counts, lower_for_cuda
+    deps = (jnp.ones((1024,), jnp.float32), {"out": jnp.zeros((3, 16), jnp.int32)})
+    text = lower_for_cuda(_gpu_clock.read_clock, *deps)
+    assert custom_call_counts(text) == {"mosaic": 1, "triton": 0, "other": 0}
+    ns = (7 << 32) | 0xFFFFFFF0
+    words = np.array([np.int32(np.uint32(ns & 0xFFFFFFFF).view(np.int32)), 7], np.int32)
+    assert _gpu_clock.clock_ns(words) == ns
+    assert _gpu_clock.clock_ns(np.array([5, 0], np.int32)) == 5
