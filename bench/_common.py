@@ -213,7 +213,7 @@ def no_gc():
 
 def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
              preroll: int = PREROLL_FLUSHES, calls_per_dispatch: int = CALLS_PER_DISPATCH,
-             clock: bool | None = None) -> Timing:
+             clock: bool | None = None, compiler_options: dict | None = None) -> Timing:
     """Seconds per call of ``fn(*args)`` (see the module docstring), one sample per trial.
 
     fn: a jax function of arrays (pytrees allowed); args: its positional arguments.
@@ -223,6 +223,8 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
     calls_per_dispatch: cold calls looped inside one executable (1: one call per dispatch).
     clock: cold only: time with the GPU's timer read inside each executable (None: on a GPU);
       False: the host's wall clock around the loops of dispatches.
+    compiler_options: cold only: XLA options for both executables (e.g.
+      ``{"xla_gpu_enable_command_buffer": ""}``: no CUDA graphs), None: the defaults.
     """
     _check_l2(l2)
     if n < 1 or trials < 1 or preroll < 0:
@@ -233,7 +235,8 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
     k = _calls(n, calls_per_dispatch)
     clock = ON_GPU if clock is None else bool(clock)
     buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32)
-    ex, fl = _compiled(fn, k, clock, args), _compiled(None, k, clock, ())
+    options = tuple(sorted((compiler_options or {}).items()))
+    ex, fl = _compiled(fn, k, clock, args, options), _compiled(None, k, clock, (), options)
 
     def loop(step_args, dispatches, *, before=0) -> tuple[float, float]:
         """(seconds, host dispatch s) of ``dispatches`` async calls; seconds: the stamps'
@@ -273,14 +276,16 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
 _COMPILED: dict = {}
 
 
-def _compiled(fn, calls: int, clock: bool, args: tuple):
+def _compiled(fn, calls: int, clock: bool, args: tuple, options: tuple = ()):
     """The compiled cold executable of fn (None: the flushes alone) for args' shapes and
-    dtypes, cached; with the GPU timer and a loop, checked to launch the flush first."""
-    key = (fn, calls, clock, jax.tree.structure(args),
+    dtypes and the XLA ``options`` ((name, value) pairs), cached; with the GPU timer and a
+    loop, checked to launch the flush first."""
+    key = (fn, calls, clock, options, jax.tree.structure(args),
            tuple((a.shape, jnp.dtype(a.dtype)) for a in jax.tree.leaves(args)))
     if key not in _COMPILED:
         buf = jax.ShapeDtypeStruct((FLUSH_BYTES // 4,), jnp.float32)
-        ex = _executable(fn, "cold", calls, clock).lower(buf, args).compile()
+        ex = _executable(fn, "cold", calls, clock).lower(buf, args).compile(
+            compiler_options=dict(options) or None)
         if clock and calls > 1 and fn is not None:
             check_flush_first(cold_loop_body(ex.as_text())[1])
         _COMPILED[key] = ex

@@ -7,6 +7,9 @@
 - ``looped wall``: ``CALLS_PER_DISPATCH`` calls looped in one executable, the same wall clock.
 - ``default``: the same loop, timed by the GPU's global timer read inside the executable
   before and after the loop.
+- ``default, no graphs``: the default timer with XLA's command buffers (CUDA graphs) off
+  (``xla_gpu_enable_command_buffer=""``), to see whether a graph changes the op's launches
+  (programmatic dependent launch) inside the loop.
 For each op and n in ``--ns``, this prints the median and the spread of ``--trials`` samples,
 and checks that each op's default executable keeps the calls in a loop with the flush first.
 Its JSON lists the kernels of each loop's compiled body and entry computation (the
@@ -31,9 +34,12 @@ from pallas_kernels.index_select_default import msa_index_select_default  # noqa
 from pallas_kernels.sparse_decode_default import sparse_decode_default  # noqa: E402
 
 
+NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}  # XLA builds no CUDA graphs
 TIMERS = {"per-call wall": dict(calls_per_dispatch=1, clock=False),
           "looped wall": dict(calls_per_dispatch=CALLS_PER_DISPATCH, clock=False),
-          "default": dict(calls_per_dispatch=CALLS_PER_DISPATCH)}
+          "default": dict(calls_per_dispatch=CALLS_PER_DISPATCH),
+          "default, no graphs": dict(calls_per_dispatch=CALLS_PER_DISPATCH,
+                                     compiler_options=NO_GRAPHS)}
 
 
 def decode_op(q, kv, sel, bt, req, lens):
@@ -83,17 +89,20 @@ def main() -> None:
     loops = {}
     for name, fn, args in [("flush-only", None, ()), *ops]:  # the default timer's loops
         buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32)
-        hlo = _executable(fn, "cold", CALLS_PER_DISPATCH, ON_GPU).lower(buf, args).compile()
-        trip, body = cold_loop_body(hlo.as_text())
-        if ON_GPU:
-            check_flush_first(body)
-        text = hlo.as_text()
-        loops[name] = dict(trip_count=trip, custom_calls=body.count(" custom-call("),
-                           fusions=body.count(" fusion("), body_kernels=_kernel_lines(body),
-                           entry_kernels=_kernel_lines(text[text.index("\nENTRY "):]))
-        print(f"{name}: loop of {trip}, body: " + str({k: v for k, v in loops[name].items()
-                                                      if not k.endswith("_kernels")}),
-              flush=True)
+        for graphs, options in (("", None), (" (no graphs)", NO_GRAPHS)):
+            hlo = _executable(fn, "cold", CALLS_PER_DISPATCH, ON_GPU).lower(buf, args).compile(
+                compiler_options=options)
+            trip, body = cold_loop_body(hlo.as_text())
+            if ON_GPU:
+                check_flush_first(body)
+            text = hlo.as_text()
+            loops[name + graphs] = dict(
+                trip_count=trip, custom_calls=body.count(" custom-call("),
+                fusions=body.count(" fusion("), body_kernels=_kernel_lines(body),
+                entry_kernels=_kernel_lines(text[text.index("\nENTRY "):]))
+            print(f"{name}{graphs}: loop of {trip}, body: " + str(
+                {k: v for k, v in loops[name + graphs].items() if not k.endswith("_kernels")}),
+                flush=True)
         del buf
     rows = []
     print("| op | timer | n | median us | min-max us | host us/dispatch |")

@@ -132,6 +132,16 @@ def test_time_jax_without_preroll():
     assert len(t.samples_s) == 2 and all(s > 0 for s in t.samples_s) and t.flush_us > 0
 
 
+def test_time_jax_with_compiler_options():
+    """XLA options reach both cold executables (here: no command buffers) and key the cache."""
+    f, a = (lambda v: v * 3.0), (jnp.ones(64),)
+    t = _common.time_jax(f, a, n=2, trials=1, l2="cold",
+                         compiler_options={"xla_gpu_enable_command_buffer": ""})
+    chex.assert_tree_all_finite(np.asarray(t.samples_s))
+    keys = [k for k in _common._COMPILED if k[0] is f]
+    assert [k[3] for k in keys] == [(("xla_gpu_enable_command_buffer", ""),)]
+
+
 def test_rel_l2():
     rng = np.random.default_rng(5)
     b = rng.standard_normal((3, 11))
