@@ -79,8 +79,8 @@ def timer_description(l2: str, n: int, calls_per_dispatch: int = CALLS_PER_DISPA
         k = _calls(n, calls_per_dispatch)
         clock = ON_GPU if clock is None else clock
         how = ("the GPU's global timer read before and after the loop inside the executable"
-               if clock else f"wall clock, each loop behind {PREROLL_FLUSHES} flush-only "
-               f"calls dispatched before its clock starts")
+               if clock else f"wall clock, each loop behind {PREROLL_FLUSHES} dispatches of "
+               f"the flush-only executable before its clock starts")
         return (f"cold L2: one XLA executable looping {k} x ({FLUSH_BYTES >> 20} MiB flush; "
                 f"optimization_barrier; op), dispatched {n // k} x ({n} calls), minus the "
                 f"executable of {k} flushes as often, per call; {how}")

@@ -230,9 +230,13 @@ def ours_summary(timings: list) -> dict:
             "gpu_bound": all(t.gpu_bound for t in timings)}
 
 
+NO_XLA_GRAPHS = {"xla_gpu_enable_command_buffer": ""}  # --no-xla-graphs
+
+
 def bench_shape(shape: Shape, vllm, *, reps: int, trials: int, rounds: int, seed: int,
-                fp8: bool, reference_check: bool) -> dict:
-    """Both sides on the same inputs, interleaved over ``rounds``; medians of all samples."""
+                fp8: bool, reference_check: bool, xla_options: dict | None = None) -> dict:
+    """Both sides on the same inputs, interleaved over ``rounds``; medians of all samples.
+    ``xla_options``: XLA compiler options of our timed executables (None: the defaults)."""
     x = make_inputs(shape, seed)
     x8 = fp8_inputs(x) if fp8 else None
     ours = {"indexer": (our_indexer, (x,))}
@@ -274,7 +278,8 @@ def bench_shape(shape: Shape, vllm, *, reps: int, trials: int, rounds: int, seed
     timings = {k: [] for k in ours}
     for _ in range(rounds):  # interleaved: each round times every op on both sides
         for name, (f, a) in ours.items():
-            timings[name].append(time_jax(f, a, n=reps, trials=trials, l2="cold"))
+            timings[name].append(time_jax(f, a, n=reps, trials=trials, l2="cold",
+                                          compiler_options=xla_options))
         if calls is not None:
             vllm_time(timer, state, n=reps, trials=trials, acc=acc)
     row["ours"] = {k: ours_summary(v) for k, v in timings.items()}
@@ -499,6 +504,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="'all' or a comma list of shape indices 0-15 (16/1 first, B, then L)")
     p.add_argument("--fp8", choices=("long", "all", "none"), default="long",
                    help="shapes that also run the fp8 indexer: L=65536 (default), all, none")
+    p.add_argument("--no-xla-graphs", action="store_true",
+                   help="compile our timed executables without XLA's command buffers (CUDA "
+                        "graphs): xla_gpu_enable_command_buffer=''")
     p.add_argument("--budget-s", type=_common.positive_int, default=None,
                    help="start no new shape after this many seconds (outputs still written)")
     p.add_argument("--sweep", default="", help="comma list of shape indices to sweep tunables on")
@@ -553,7 +561,8 @@ def main(argv=None) -> int:
     result = {
         "meta": _common.run_meta(), "copy": copy, "vllm_ops": vllm_note,
         "timing": {
-            "ours": timer_description("cold", reps) + f"; median of {rounds} x {trials} samples",
+            "ours": timer_description("cold", reps) + f"; median of {rounds} x {trials} samples"
+                    + ("; XLA command buffers off" if args.no_xla_graphs else ""),
             "vllm": (f"faster of graph (CUDA graph of ({FLUSH_BYTES >> 20} MiB flush; op) "
                      f"replayed {reps} x minus a flush-only graph) and eager ({reps} x "
                      f"(flush x k; op) issued asynchronously minus {reps} x flush x k, used only where host time per "
@@ -576,7 +585,8 @@ def main(argv=None) -> int:
         fp8 = args.fp8 == "all" or (args.fp8 == "long" and shape.context == max(
             s.context for s in all_shapes())) or (args.cpu_smoke and args.fp8 != "none")
         row = bench_shape(shape, vllm, reps=reps, trials=trials, rounds=rounds, seed=args.seed,
-                          fp8=fp8, reference_check=args.cpu_smoke)
+                          fp8=fp8, reference_check=args.cpu_smoke,
+                          xla_options=NO_XLA_GRAPHS if args.no_xla_graphs else None)
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         result["rows"].append(row)
         print_row(row)
