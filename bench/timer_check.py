@@ -1,4 +1,4 @@
-"""H200 check of ``_common.time_jax``'s cold-L2 timer, three ways in one process.
+"""H200 check of ``_common.time_jax``'s cold-L2 timer, four ways in one process.
 
 - ``per-call wall``: one call per executable, the host's wall clock around each loop of
   dispatches behind a pre-roll of flushes (the timer of the first fifteen sessions). The host's
