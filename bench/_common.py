@@ -65,6 +65,8 @@ FLUSH_BYTES = 512 << 20
 # Cold calls per executable (a dispatch): their flushes outlast the host's dispatch of the
 # executable (190-520 us measured per dispatch on the H200 host) about five times over.
 CALLS_PER_DISPATCH = 10
+# XLA options that turn its command buffers (CUDA graphs) off: ``time_jax(compiler_options=)``.
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 # Flush-only dispatches (each of k flushes) before each cold wall-clock loop: at least 1 ms of
 # device work, longer than the host's dispatch of the loop's first call, so the device never
 # waits for it.
@@ -235,8 +237,8 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
     k = _calls(n, calls_per_dispatch)
     clock = ON_GPU if clock is None else bool(clock)
     buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32)
-    options = tuple(sorted((compiler_options or {}).items()))
-    ex, fl = _compiled(fn, k, clock, args, options), _compiled(None, k, clock, (), options)
+    ex = compiled_cold(fn, k, clock, args, compiler_options)
+    fl = compiled_cold(None, k, clock, (), compiler_options)
 
     def loop(step_args, dispatches, *, before=0) -> tuple[float, float]:
         """(seconds, host dispatch s) of ``dispatches`` async calls; seconds: the stamps'
@@ -276,10 +278,12 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
 _COMPILED: dict = {}
 
 
-def _compiled(fn, calls: int, clock: bool, args: tuple, options: tuple = ()):
+def compiled_cold(fn, calls: int, clock: bool, args: tuple,
+                  compiler_options: dict | None = None):
     """The compiled cold executable of fn (None: the flushes alone) for args' shapes and
-    dtypes and the XLA ``options`` ((name, value) pairs), cached; with the GPU timer and a
-    loop, checked to launch the flush first."""
+    dtypes and the XLA ``compiler_options``, cached; with the GPU timer and a loop, checked
+    to launch the flush first."""
+    options = tuple(sorted((compiler_options or {}).items()))
     key = (fn, calls, clock, options, jax.tree.structure(args),
            tuple((a.shape, jnp.dtype(a.dtype)) for a in jax.tree.leaves(args)))
     if key not in _COMPILED:

@@ -230,9 +230,6 @@ def ours_summary(timings: list) -> dict:
             "gpu_bound": all(t.gpu_bound for t in timings)}
 
 
-NO_XLA_GRAPHS = {"xla_gpu_enable_command_buffer": ""}  # --no-xla-graphs
-
-
 def bench_shape(shape: Shape, vllm, *, reps: int, trials: int, rounds: int, seed: int,
                 fp8: bool, reference_check: bool, xla_options: dict | None = None) -> dict:
     """Both sides on the same inputs, interleaved over ``rounds``; medians of all samples.
@@ -586,7 +583,8 @@ def main(argv=None) -> int:
             s.context for s in all_shapes())) or (args.cpu_smoke and args.fp8 != "none")
         row = bench_shape(shape, vllm, reps=reps, trials=trials, rounds=rounds, seed=args.seed,
                           fp8=fp8, reference_check=args.cpu_smoke,
-                          xla_options=NO_XLA_GRAPHS if args.no_xla_graphs else None)
+                          xla_options=(_common.NO_COMMAND_BUFFERS if args.no_xla_graphs
+                                       else None))
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         result["rows"].append(row)
         print_row(row)

@@ -11,7 +11,8 @@
   (``xla_gpu_enable_command_buffer=""``), to see whether a graph changes the op's launches
   (programmatic dependent launch) inside the loop.
 For each op and n in ``--ns``, this prints the median and the spread of ``--trials`` samples,
-and checks that each op's default executable keeps the calls in a loop with the flush first.
+and checks that each op's default executable keeps the calls in a loop with the flush first
+(``_common.compiled_cold``, whose executables the timers then reuse).
 Its JSON lists the kernels of each loop's compiled body and entry computation (the
 flush-only loop's too).
 
@@ -26,20 +27,20 @@ import statistics
 
 import _common  # noqa: F401  (imported first for its preamble)
 import jax.numpy as jnp  # noqa: E402
-from _common import (CALLS_PER_DISPATCH, FLUSH_BYTES, ON_GPU, _executable,  # noqa: E402
-                     check_flush_first, cold_loop_body, positive_int, time_jax, write_json)
+from _common import (CALLS_PER_DISPATCH, NO_COMMAND_BUFFERS, ON_GPU,  # noqa: E402
+                     cold_loop_body, compiled_cold, positive_int, time_jax, write_json)
 
+from _shapes_inputs import make_inputs as shape_inputs  # noqa: E402
 from decode_mgpu import SCALE, make_inputs, parse_shapes, shape_id  # noqa: E402
 from pallas_kernels.index_select_default import msa_index_select_default  # noqa: E402
 from pallas_kernels.sparse_decode_default import sparse_decode_default  # noqa: E402
 
 
-NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}  # XLA builds no CUDA graphs
 TIMERS = {"per-call wall": dict(calls_per_dispatch=1, clock=False),
           "looped wall": dict(calls_per_dispatch=CALLS_PER_DISPATCH, clock=False),
           "default": dict(calls_per_dispatch=CALLS_PER_DISPATCH),
           "default, no graphs": dict(calls_per_dispatch=CALLS_PER_DISPATCH,
-                                     compiler_options=NO_GRAPHS)}
+                                     compiler_options=NO_COMMAND_BUFFERS)}
 
 
 def decode_op(q, kv, sel, bt, req, lens):
@@ -52,7 +53,6 @@ def tiny_op(x):
 
 def indexer_inputs(shape, seed: int) -> tuple:
     """The default indexer's arguments at ``shape`` (bench/_shapes_inputs, bf16)."""
-    from _shapes_inputs import make_inputs as shape_inputs
     x = shape_inputs(shape, seed)
     return (x["index_q"], x["index_k"], x["block_table"], x["req_indices"], x["positions"])
 
@@ -87,15 +87,10 @@ def main() -> None:
             for sh in (parse_shapes(a.indexer_shapes) if a.indexer_shapes else [])]
     ops.append(("tiny", tiny_op, (jnp.zeros((1024,), jnp.float32),)))
     loops = {}
-    for name, fn, args in [("flush-only", None, ()), *ops]:  # the default timer's loops
-        buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32)
-        for graphs, options in (("", None), (" (no graphs)", NO_GRAPHS)):
-            hlo = _executable(fn, "cold", CALLS_PER_DISPATCH, ON_GPU).lower(buf, args).compile(
-                compiler_options=options)
-            trip, body = cold_loop_body(hlo.as_text())
-            if ON_GPU:
-                check_flush_first(body)
-            text = hlo.as_text()
+    for name, fn, args in [("flush-only", None, ()), *ops]:  # the default timers' loops
+        for graphs, options in (("", None), (" (no graphs)", NO_COMMAND_BUFFERS)):
+            text = compiled_cold(fn, CALLS_PER_DISPATCH, ON_GPU, args, options).as_text()
+            trip, body = cold_loop_body(text)
             loops[name + graphs] = dict(
                 trip_count=trip, custom_calls=body.count(" custom-call("),
                 fusions=body.count(" fusion("), body_kernels=_kernel_lines(body),
@@ -103,7 +98,6 @@ def main() -> None:
             print(f"{name}{graphs}: loop of {trip}, body: " + str(
                 {k: v for k, v in loops[name + graphs].items() if not k.endswith("_kernels")}),
                 flush=True)
-        del buf
     rows = []
     print("| op | timer | n | median us | min-max us | host us/dispatch |")
     print("|---|---|---|---|---|---|")

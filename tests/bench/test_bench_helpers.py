@@ -136,7 +136,7 @@ def test_time_jax_with_compiler_options():
     """XLA options reach both cold executables (here: no command buffers) and key the cache."""
     f, a = (lambda v: v * 3.0), (jnp.ones(64),)
     t = _common.time_jax(f, a, n=2, trials=1, l2="cold",
-                         compiler_options={"xla_gpu_enable_command_buffer": ""})
+                         compiler_options=_common.NO_COMMAND_BUFFERS)
     chex.assert_tree_all_finite(np.asarray(t.samples_s))
     keys = [k for k in _common._COMPILED if k[0] is f]
     assert [k[3] for k in keys] == [(("xla_gpu_enable_command_buffer", ""),)]
