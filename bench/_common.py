@@ -12,7 +12,12 @@
   sample is the difference of the summed device times over ``n``. The barrier ties each
   iteration's op inputs to its flush, so XLA cannot hoist the op out of the loop; the
   compiled loop body is checked to launch the flush first (``check_flush_first``), so every
-  op runs right after a flush. Without the GPU timer (``clock=False``, and on a CPU) the
+  op runs right after a flush. Both executables are compiled with XLA's command buffers off
+  (``NO_COMMAND_BUFFERS``, the default ``compiler_options``), so each op's kernels are
+  launched on the stream as the op alone compiles: XLA turns a run of 5 or more kernels into
+  a CUDA graph (``xla_gpu_graph_min_graph_size``), and the timer's own scalar kernel made
+  the indexer's loop body 5 long, a graph in which it lost its programmatic dependent
+  launches (bench/RESULTS.md, 2026-12-02). Without the GPU timer (``clock=False``, and on a CPU) the
   sample is wall time of the loops of dispatches instead, each loop behind a pre-roll of
   ``PREROLL_FLUSHES`` flush-only calls so the device is busy when its clock starts.
   ``"warm"``: the op's executable dispatched ``n`` times back to back, no flush: inputs that fit
@@ -51,6 +56,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
+from jax_msa_runner.config import COMMAND_BUFFERS  # noqa: E402
 from jax_msa_runner.flags import bounded_int  # noqa: E402
 
 from _gpu_clock import clock_ns, read_clock  # noqa: E402
@@ -65,8 +71,10 @@ FLUSH_BYTES = 512 << 20
 # Cold calls per executable (a dispatch): their flushes outlast the host's dispatch of the
 # executable (190-520 us measured per dispatch on the H200 host) about five times over.
 CALLS_PER_DISPATCH = 10
-# XLA options that turn its command buffers (CUDA graphs) off: ``time_jax(compiler_options=)``.
-NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+# XLA options of the cold executables (``time_jax(compiler_options=)``): command buffers (CUDA
+# graphs) off, the default; or XLA's own defaults.
+NO_COMMAND_BUFFERS = COMMAND_BUFFERS["off"]
+XLA_COMMAND_BUFFERS = COMMAND_BUFFERS["xla"]
 # Flush-only dispatches (each of k flushes) before each cold wall-clock loop: at least 1 ms of
 # device work, longer than the host's dispatch of the loop's first call, so the device never
 # waits for it.
@@ -215,7 +223,7 @@ def no_gc():
 
 def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
              preroll: int = PREROLL_FLUSHES, calls_per_dispatch: int = CALLS_PER_DISPATCH,
-             clock: bool | None = None, compiler_options: dict | None = None) -> Timing:
+             clock: bool | None = None, compiler_options: dict = NO_COMMAND_BUFFERS) -> Timing:
     """Seconds per call of ``fn(*args)`` (see the module docstring), one sample per trial.
 
     fn: a jax function of arrays (pytrees allowed); args: its positional arguments.
@@ -225,8 +233,8 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
     calls_per_dispatch: cold calls looped inside one executable (1: one call per dispatch).
     clock: cold only: time with the GPU's timer read inside each executable (None: on a GPU);
       False: the host's wall clock around the loops of dispatches.
-    compiler_options: cold only: XLA options for both executables (e.g.
-      ``{"xla_gpu_enable_command_buffer": ""}``: no CUDA graphs), None: the defaults.
+    compiler_options: cold only: XLA options for both executables: ``NO_COMMAND_BUFFERS``
+      (no CUDA graphs; the default), ``XLA_COMMAND_BUFFERS`` (XLA's defaults), or others.
     """
     _check_l2(l2)
     if n < 1 or trials < 1 or preroll < 0:
@@ -279,7 +287,7 @@ _COMPILED: dict = {}
 
 
 def compiled_cold(fn, calls: int, clock: bool, args: tuple,
-                  compiler_options: dict | None = None):
+                  compiler_options: dict = NO_COMMAND_BUFFERS):
     """The compiled cold executable of fn (None: the flushes alone) for args' shapes and
     dtypes and the XLA ``compiler_options``, cached; with the GPU timer and a loop, checked
     to launch the flush first."""

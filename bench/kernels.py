@@ -231,9 +231,10 @@ def ours_summary(timings: list) -> dict:
 
 
 def bench_shape(shape: Shape, vllm, *, reps: int, trials: int, rounds: int, seed: int,
-                fp8: bool, reference_check: bool, xla_options: dict | None = None) -> dict:
+                fp8: bool, reference_check: bool,
+                xla_options: dict = _common.NO_COMMAND_BUFFERS) -> dict:
     """Both sides on the same inputs, interleaved over ``rounds``; medians of all samples.
-    ``xla_options``: XLA compiler options of our timed executables (None: the defaults)."""
+    ``xla_options``: XLA compiler options of our timed executables (``time_jax``'s)."""
     x = make_inputs(shape, seed)
     x8 = fp8_inputs(x) if fp8 else None
     ours = {"indexer": (our_indexer, (x,))}
@@ -501,9 +502,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="'all' or a comma list of shape indices 0-15 (16/1 first, B, then L)")
     p.add_argument("--fp8", choices=("long", "all", "none"), default="long",
                    help="shapes that also run the fp8 indexer: L=65536 (default), all, none")
-    p.add_argument("--no-xla-graphs", action="store_true",
-                   help="compile our timed executables without XLA's command buffers (CUDA "
-                        "graphs): xla_gpu_enable_command_buffer=''")
+    p.add_argument("--xla-command-buffers", action="store_true",
+                   help="compile our timed executables with XLA's default command buffers "
+                        "(CUDA graphs); default: off, each op's kernels launched on the stream")
     p.add_argument("--budget-s", type=_common.positive_int, default=None,
                    help="start no new shape after this many seconds (outputs still written)")
     p.add_argument("--sweep", default="", help="comma list of shape indices to sweep tunables on")
@@ -559,7 +560,8 @@ def main(argv=None) -> int:
         "meta": _common.run_meta(), "copy": copy, "vllm_ops": vllm_note,
         "timing": {
             "ours": timer_description("cold", reps) + f"; median of {rounds} x {trials} samples"
-                    + ("; XLA command buffers off" if args.no_xla_graphs else ""),
+                    + ("; XLA's default command buffers" if args.xla_command_buffers
+                       else "; XLA command buffers off"),
             "vllm": (f"faster of graph (CUDA graph of ({FLUSH_BYTES >> 20} MiB flush; op) "
                      f"replayed {reps} x minus a flush-only graph) and eager ({reps} x "
                      f"(flush x k; op) issued asynchronously minus {reps} x flush x k, used only where host time per "
@@ -583,8 +585,8 @@ def main(argv=None) -> int:
             s.context for s in all_shapes())) or (args.cpu_smoke and args.fp8 != "none")
         row = bench_shape(shape, vllm, reps=reps, trials=trials, rounds=rounds, seed=args.seed,
                           fp8=fp8, reference_check=args.cpu_smoke,
-                          xla_options=(_common.NO_COMMAND_BUFFERS if args.no_xla_graphs
-                                       else None))
+                          xla_options=(_common.XLA_COMMAND_BUFFERS if args.xla_command_buffers
+                                       else _common.NO_COMMAND_BUFFERS))
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         result["rows"].append(row)
         print_row(row)

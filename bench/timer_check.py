@@ -6,10 +6,11 @@
   the queue mid-loop; the wall clock also carries the host's wake-up at the end.
 - ``looped wall``: ``CALLS_PER_DISPATCH`` calls looped in one executable, the same wall clock.
 - ``default``: the same loop, timed by the GPU's global timer read inside the executable
-  before and after the loop.
-- ``default, no graphs``: the default timer with XLA's command buffers (CUDA graphs) off
-  (``xla_gpu_enable_command_buffer=""``), to see whether a graph changes the op's launches
-  (programmatic dependent launch) inside the loop.
+  before and after the loop; XLA's command buffers off (``_common.NO_COMMAND_BUFFERS``).
+- ``default, XLA graphs``: the default timer with XLA's default command buffers, which turn a
+  loop body of 5 or more kernels into a CUDA graph (the indexer's, with the timer's scalar
+  kernel), to see what a graph does to the op's programmatic dependent launches.
+The wall-clock timers compile with XLA's command buffers off too.
 For each op and n in ``--ns``, this prints the median and the spread of ``--trials`` samples,
 and checks that each op's default executable keeps the calls in a loop with the flush first
 (``_common.compiled_cold``, whose executables the timers then reuse).
@@ -28,7 +29,8 @@ import statistics
 import _common  # noqa: F401  (imported first for its preamble)
 import jax.numpy as jnp  # noqa: E402
 from _common import (CALLS_PER_DISPATCH, NO_COMMAND_BUFFERS, ON_GPU,  # noqa: E402
-                     cold_loop_body, compiled_cold, positive_int, time_jax, write_json)
+                     XLA_COMMAND_BUFFERS, cold_loop_body, compiled_cold, positive_int, time_jax,
+                     write_json)
 
 from _shapes_inputs import make_inputs as shape_inputs  # noqa: E402
 from decode_mgpu import SCALE, make_inputs, parse_shapes, shape_id  # noqa: E402
@@ -39,8 +41,8 @@ from pallas_kernels.sparse_decode_default import sparse_decode_default  # noqa: 
 TIMERS = {"per-call wall": dict(calls_per_dispatch=1, clock=False),
           "looped wall": dict(calls_per_dispatch=CALLS_PER_DISPATCH, clock=False),
           "default": dict(calls_per_dispatch=CALLS_PER_DISPATCH),
-          "default, no graphs": dict(calls_per_dispatch=CALLS_PER_DISPATCH,
-                                     compiler_options=NO_COMMAND_BUFFERS)}
+          "default, XLA graphs": dict(calls_per_dispatch=CALLS_PER_DISPATCH,
+                                      compiler_options=XLA_COMMAND_BUFFERS)}
 
 
 def decode_op(q, kv, sel, bt, req, lens):
@@ -88,7 +90,7 @@ def main() -> None:
     ops.append(("tiny", tiny_op, (jnp.zeros((1024,), jnp.float32),)))
     loops = {}
     for name, fn, args in [("flush-only", None, ()), *ops]:  # the default timers' loops
-        for graphs, options in (("", None), (" (no graphs)", NO_COMMAND_BUFFERS)):
+        for graphs, options in (("", NO_COMMAND_BUFFERS), (" (XLA graphs)", XLA_COMMAND_BUFFERS)):
             text = compiled_cold(fn, CALLS_PER_DISPATCH, ON_GPU, args, options).as_text()
             trip, body = cold_loop_body(text)
             loops[name + graphs] = dict(

@@ -23,6 +23,16 @@ RESERVED_PAGES = (NULL_PAGE_ID, DUMMY_PAGE_ID)
 # The index-K cache dtype allowed besides the model dtype (ModelConfig.index_cache_dtype):
 # raw e4m3 values, no scale; the indexer upcasts them (half the bytes of its O(L) scan).
 FP8_INDEX_CACHE_DTYPE = "float8_e4m3fn"
+# XLA's command buffers (CUDA graphs that XLA builds from runs of a step's kernels), by name:
+# the compile options of each choice. "xla": XLA's default kinds, custom calls included;
+# "off": none; "no-custom-calls": XLA's kinds less custom calls, so the Pallas kernels launch
+# on the stream, with programmatic dependent launch, while fusions and GEMMs stay in graphs.
+COMMAND_BUFFERS = {
+    "xla": {},
+    "off": {"xla_gpu_enable_command_buffer": ""},
+    "no-custom-calls": {"xla_gpu_enable_command_buffer":
+                        "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"},
+}
 
 
 class ConfigError(ValueError):
@@ -321,6 +331,7 @@ class RunnerConfig:
     page_size: int = PAGE_SIZE
     tp_size: int = 1  # tensor-parallel ranks (mesh axis "tensor")
     ep_size: int = 1  # expert-parallel ranks (mesh axis "expert")
+    command_buffers: str = "xla"  # XLA's CUDA graphs for the step: a key of COMMAND_BUFFERS
 
     def __post_init__(self):
         object.__setattr__(self, "bucket_sizes", tuple(sorted(set(int(b) for b in self.bucket_sizes))))
@@ -342,6 +353,8 @@ class RunnerConfig:
                  f"must be >= 1, got {self.dcp_world_size}")
         require(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
         require(self.ep_size >= 1, "ep_size", f"must be >= 1, got {self.ep_size}")
+        require(self.command_buffers in COMMAND_BUFFERS, "command_buffers",
+                 f"must be one of {tuple(COMMAND_BUFFERS)}, got {self.command_buffers!r}")
         require(self.dcp_interleave == DCP_INTERLEAVE, "dcp_interleave",
                  f"MSA needs dcp_interleave == {DCP_INTERLEAVE} (one block per unit), "
                  f"got {self.dcp_interleave}")

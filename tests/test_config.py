@@ -31,6 +31,8 @@ def test_defaults_are_valid_and_hashable():
     (dict(dcp_world_size=0), r"^dcp_world_size: must be >= 1, got 0"),
     (dict(dcp_world_size=4, max_model_len=512),
      r"^max_model_len: must exceed the DCP dummy context .* = 512"),
+    (dict(command_buffers="graphs"),
+     r"^command_buffers: must be one of \('xla', 'off', 'no-custom-calls'\), got 'graphs'"),
 ])
 def test_runner_config_errors_name_the_field(kwargs, match):
     with pytest.raises(ConfigError, match=match):

@@ -133,13 +133,15 @@ def test_time_jax_without_preroll():
 
 
 def test_time_jax_with_compiler_options():
-    """XLA options reach both cold executables (here: no command buffers) and key the cache."""
+    """XLA options reach both cold executables and key the cache: no command buffers by
+    default, XLA's defaults when asked."""
     f, a = (lambda v: v * 3.0), (jnp.ones(64),)
-    t = _common.time_jax(f, a, n=2, trials=1, l2="cold",
-                         compiler_options=_common.NO_COMMAND_BUFFERS)
-    chex.assert_tree_all_finite(np.asarray(t.samples_s))
+    for options in (None, _common.XLA_COMMAND_BUFFERS):
+        kw = {} if options is None else dict(compiler_options=options)
+        t = _common.time_jax(f, a, n=2, trials=1, l2="cold", **kw)
+        chex.assert_tree_all_finite(np.asarray(t.samples_s))
     keys = [k for k in _common._COMPILED if k[0] is f]
-    assert [k[3] for k in keys] == [(("xla_gpu_enable_command_buffer", ""),)]
+    assert [k[3] for k in keys] == [(("xla_gpu_enable_command_buffer", ""),), ()]
 
 
 def test_rel_l2():
@@ -261,6 +263,7 @@ assert run("kernels.py", "--out", "/tmp/x", "--cpu-smoke", "--shapes", "16") == 
 assert run("kernels.py", "--out", "/tmp/x", "--cpu-smoke", "--reps", "0") == 2
 assert run("prefill.py", "--chunk", "-1") == 2
 assert run("timer_check.py", "--out", "/tmp/x", "--ns", "100,0") == 2
+assert run("serving.py", "--out", "/tmp/x", "--command-buffers", "xla,graphs") == 2
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code, BENCH], capture_output=True, text=True,
@@ -269,6 +272,7 @@ print("ok")
     assert "--shapes: shape indices must be in [0, 16)" in r.stderr
     assert "--reps: must be >= 1" in r.stderr
     assert "--ns: must be >= 1, got 0" in r.stderr
+    assert "command buffers must be from ('xla', 'off', 'no-custom-calls')" in r.stderr
 
 
 def test_kernels_cpu_smoke(tmp_path):
