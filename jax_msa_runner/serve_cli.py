@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from jax_msa_runner.config import RESERVED_PAGES
+from jax_msa_runner.config import COMMAND_BUFFERS, RESERVED_PAGES
 from jax_msa_runner.mesh_flags import add_mesh_args
 from jax_msa_runner.serving.kv_cache import pages_needed
 
@@ -50,6 +50,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="requests allowed to wait to run; more get 503")
     g.add_argument("--attention-impl", choices=("pallas", "reference"), default=None,
                    help="default: pallas on a GPU, reference elsewhere")
+    g.add_argument("--command-buffers", choices=tuple(COMMAND_BUFFERS), default="xla",
+                   help="XLA's CUDA graphs in the compiled step: xla (its defaults), off, or "
+                        "no-custom-calls (the Pallas kernels launched outside them)")
     g.add_argument("--num-layers", type=int, default=None,
                    help="override the tiny model's layer count (layer 0 dense, others MSA)")
     g.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights")
@@ -205,7 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
     rc = RunnerConfig(max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=args.max_model_len, bucket_sizes=sizes,
-                      tp_size=args.tp, ep_size=args.ep)
+                      tp_size=args.tp, ep_size=args.ep, command_buffers=args.command_buffers)
     runner = ModelRunner(mc, rc, num_pages=num_pages, params=params, seed=args.seed,
                          attention_impl=args.attention_impl)
     source = args.checkpoint or (f"{args.model_config} (random weights)" if args.model_config

@@ -131,3 +131,36 @@ def test_all_token_logits_rows_and_sampling_agree():
         outs[flag] = (tokens, rows)
     npt.assert_array_equal(outs[False][0], outs[True][0])
     npt.assert_allclose(outs[False][1], outs[True][1], rtol=1e-5, atol=1e-5)
+
+
+def test_step_compiles_with_the_configured_command_buffers(monkeypatch):
+    """RunnerConfig.command_buffers reaches XLA: every bucket's step is compiled with
+    ``COMMAND_BUFFERS[name]`` (None for XLA's defaults), and a runner compiled without them
+    serves the same greedy tokens as one with XLA's defaults."""
+    from jax_msa_runner.config import COMMAND_BUFFERS
+    seen = []
+    compile_ = jax.stages.Lowered.compile
+
+    def spy(self, compiler_options=None, **kw):
+        seen.append(compiler_options)
+        return compile_(self, compiler_options=compiler_options, **kw)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    mc = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), num_heads=4, head_dim=32,
+                          rotary_dim=16, index_dim=32)
+    outputs = {}
+    for name in ("xla", "no-custom-calls"):
+        rc = RunnerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=256,
+                          bucket_sizes=(8, 16), command_buffers=name)
+        seen.clear()
+        runner = ModelRunner(mc, rc, num_pages=8, seed=5, attention_impl="reference")
+        runner.warm_up()
+        assert seen == [COMMAND_BUFFERS[name] or None] * 2, seen
+        sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16,
+                                          max_model_len=256, num_pages=8))
+        for i, n in enumerate((21, 5)):
+            sched.add_request(Request(i, tuple(range(3, 3 + n)), 4))
+        stats = serve(runner, sched)
+        assert stats.compilations == 0
+        outputs[name] = {i: list(r.output) for i, r in sched.finished.items()}
+    assert outputs["xla"] == outputs["no-custom-calls"] and len(outputs["xla"]) == 2

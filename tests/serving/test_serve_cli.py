@@ -37,6 +37,14 @@ def test_bad_flag_exits_2_naming_flag_and_bound(argv, message, capsys):
     assert cli_main(["serve", *argv]) == 2  # the CLI's subcommand: the same checks
 
 
+def test_command_buffers_flag():
+    assert parse().command_buffers == "xla"
+    assert parse("--command-buffers", "no-custom-calls").command_buffers == "no-custom-calls"
+    with pytest.raises(SystemExit) as e:
+        parse("--command-buffers", "graphs")
+    assert e.value.code == 2
+
+
 def test_defaults_and_derived_sizes():
     sizes, pages = check_serve_args(parse())
     assert sizes == (16, 64, 256) and pages == 2 + 16 * 16
