@@ -19,13 +19,14 @@ causal mask ``b * 128 + i <= position`` and takes each column's max over the key
 score of each head. Scores go to f32 ``[T, H, width]`` (head-major; for the select ``width``
 is a multiple of 128 and columns ``>= P`` are not written, alone it is P).
 
-Select kernel: grid ``(T, H)``, one warpgroup; every warp of CTA ``(t, h)`` loads head h's
-whole ``[Pp]`` score row (``Pp / 32`` per lane), applies the selector's rules
-(:mod:`pallas_kernels.topk_select`: forced local/init blocks, NaN as -inf, ties to the smaller
-id, -1 for fewer than 16 picks), maps them to int32 keys of the same order, and takes 16 rounds
-of (max key, smallest id with it), each an int32 reduction inside the warp (the four warps
-compute the same picks, so no round waits on a cross-warp barrier); it ranks the winners in
-ascending order and stores them.
+Select kernel: grid ``(T, H / R)``, one warpgroup, ``R = 4`` heads per CTA when 4 divides H
+(warp w takes head ``h R + w``), else ``R = 1`` (every warp takes head h and computes the
+same picks). A warp loads its head's whole ``[Pp]`` score row (``Pp / 32`` per lane), applies
+the selector's rules (:mod:`pallas_kernels.topk_select`: forced local/init blocks, NaN as
+-inf, ties to the smaller id, -1 for fewer than 16 picks), maps them to int32 keys of the same
+order, and takes 16 rounds of (max key, smallest id with it), each an int32 reduction inside
+the warp, so no round waits on a cross-warp barrier; it ranks the winners in ascending order
+and stores them, one 16-id row per head.
 
 Safety boundary: as :func:`pallas_kernels.index_scores.msa_index_scores` (request rows clamped
 to ``[0, R)``, page ids to ``[0, N)``, block-table columns below ``min(nvp, P)`` only) and the
@@ -168,51 +169,64 @@ def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring,
         plgpu.griddepcontrol_launch_dependents()
 
 
-def _row_layout():
-    """A ``[Pp]`` row (``Pp`` a multiple of 128) held whole by every warp of the warpgroup (lane
-    l: elements ``4l .. 4l + 3`` of each 128), so a reduction over it stays inside the warp:
-    one ``redux.sync`` and no cross-warp barrier."""
-    tiling = mgpu.fragmented_array.Tiling(((ROW_TILE,), (ROW_TILE // 32,)))
-    return plgpu.Layout.TILED(tiling, warp_dims=(mgpu.fragmented_array.Replicated(4),),
-                              lane_dims=(-2,), vector_dim=-1)
+def heads_per_select(num_heads: int) -> int:
+    """Heads of one select CTA: four (one per warp) when they divide ``H``, else one (every
+    warp computing the same picks)."""
+    return 4 if num_heads % 4 == 0 else 1
+
+
+def _rows_layout(rows: int):
+    """A ``[rows, Pp]`` block of score rows (``Pp`` a multiple of 128): row r on warp r
+    (``rows == 4``) or on every warp (``rows == 1``); lane l holds elements ``4l .. 4l + 3`` of
+    each 128, so a reduction along a row stays inside its warp (one ``redux.sync``)."""
+    tiling = mgpu.fragmented_array.Tiling(((rows, ROW_TILE), (ROW_TILE // 32,)))
+    warps = (-3,) if rows == 4 else (mgpu.fragmented_array.Replicated(4),)
+    return plgpu.Layout.TILED(tiling, warp_dims=warps, lane_dims=(-2,), vector_dim=-1)
 
 
 def _select_body(sc_ref, count_ref, o_ref, o_smem, *, max_pages, local_blocks, init_blocks,
                  counts_are_positions, pdl):
     t = lax.axis_index("t")
-    h = lax.axis_index("h")
+    rows = o_smem.shape[0]
+    h0 = lax.axis_index("h") * rows
+    layout = _rows_layout(rows)
     if pdl:  # launched early: wait for the previous kernel's writes
         plgpu.griddepcontrol_wait()
     nvp = num_valid_pages_of(count_ref[t]) if counts_are_positions else count_ref[t]
-    x = plgpu.load(sc_ref.at[t, h], layout=_row_layout(), optimized=False)
-    ids = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=_row_layout())
+    x = plgpu.load(sc_ref.at[t, pl.ds(h0, rows)], layout=layout, optimized=False)
+    ids = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=layout)
     x = prepare_scores(x, ids, nvp, max_pages=max_pages, topk=TOPK, local_blocks=local_blocks,
                        init_blocks=init_blocks)
     key = _ordered_key(x)
 
-    wins = []  # round r's pick, -1 once only -inf is left
+    def along_rows(v, shape):  # [rows] -> [rows, n], in the rows' layout
+        return plgpu.layout_cast(lax.broadcast_in_dim(v, shape, (0,)), layout)
+
+    wins = []  # round r's pick per row, -1 once only -inf is left
     for _ in range(TOPK):
-        m = key.max()
+        m = key.max(axis=1)
         # The smallest id with the max key, as a max (int32 max is a redux.sync; min is not).
-        pick = _NO_ID - jnp.where(key == m, _NO_ID - ids, 0).max()
+        pick = _NO_ID - jnp.where(key == along_rows(m, key.shape), _NO_ID - ids, 0).max(axis=1)
         wins.append(jnp.where(m > _NEG_INF_KEY, pick, -1))
-        key = jnp.where(ids == pick, _TAKEN, key)
+        key = jnp.where(ids == along_rows(pick, key.shape), _TAKEN, key)
     if pdl:
         plgpu.griddepcontrol_launch_dependents()
 
     # Ascending order, -1 last: rank[a] = #{b : id[b] < id[a] or (== and b < a)}.
     sort_ids = [jnp.where(w < 0, _NO_ID, w) for w in wins]
-    slot = plgpu.broadcasted_iota(jnp.int32, (128,), 0, layout=plgpu.Layout.WG_STRIDED((128,), 1))
+    slot = plgpu.broadcasted_iota(jnp.int32, o_smem.shape, 1, layout=layout)
     out = None
     for a in range(TOPK):
         before = [(sort_ids[b] <= sort_ids[a]) if b < a else (sort_ids[b] < sort_ids[a])
                   for b in range(TOPK) if b != a]
         rank = functools.reduce(jnp.add, [b.astype(jnp.int32) for b in before])
-        term = jnp.where(slot == rank, wins[a], 0)
+        term = jnp.where(slot == along_rows(rank, slot.shape),
+                         along_rows(wins[a], slot.shape), 0)
         out = term if out is None else out + term
     o_smem[...] = out
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, TOPK)], o_ref.at[t, h])
+    for r in range(rows):
+        plgpu.copy_smem_to_gmem(o_smem.at[r, pl.ds(0, TOPK)], o_ref.at[t, h0 + r])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -292,13 +306,15 @@ def _select(scores, counts, *, max_pages, local_blocks, init_blocks, counts_are_
     """The select kernel over f32 ``scores [T, H, Pp]`` (``Pp`` a multiple of 128, columns
     ``>= max_pages`` ignored) and int32 ``counts [T]`` (positions, or num_valid_pages)."""
     t, h, _ = scores.shape
+    rows = heads_per_select(h)
     return plgpu.kernel(
         functools.partial(_select_body, max_pages=max_pages, local_blocks=local_blocks,
                           init_blocks=init_blocks, counts_are_positions=counts_are_positions,
                           pdl=pdl),
         out_type=jax.ShapeDtypeStruct((t, h, TOPK), jnp.int32),
-        scratch_types=[plgpu.SMEM((128,), jnp.int32)],
-        grid=(t, h), grid_names=("t", "h"), interpret=params, kernel_name="msa_topk_select_mgpu",
+        scratch_types=[plgpu.SMEM((rows, ROW_TILE), jnp.int32)],
+        grid=(t, h // rows), grid_names=("t", "h"), interpret=params,
+        kernel_name="msa_topk_select_mgpu",
     )(scores, counts)
 
 
@@ -395,5 +411,5 @@ def msa_index_select_mgpu(index_q, index_k_cache, block_table, req_indices, posi
 
 
 __all__ = ["msa_index_scores_mgpu", "sparse_topk_select_mgpu", "msa_index_select_mgpu",
-           "default_num_ctas", "first_item", "MAX_HEADS", "MAX_PAGES", "HEAD_DIMS", "STAGES",
-           "DTYPES"]
+           "default_num_ctas", "first_item", "heads_per_select", "MAX_HEADS", "MAX_PAGES",
+           "HEAD_DIMS", "STAGES", "DTYPES"]

@@ -24,8 +24,9 @@ from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._lowering import custom_call_counts, lower_for_cuda
 from pallas_kernels.index_scores import msa_index_scores_reference
 from pallas_kernels.index_select import msa_index_select_reference, num_valid_pages_of
-from pallas_kernels.index_select_mgpu import (first_item, msa_index_scores_mgpu,
-                                              msa_index_select_mgpu, sparse_topk_select_mgpu)
+from pallas_kernels.index_select_mgpu import (first_item, heads_per_select,
+                                              msa_index_scores_mgpu, msa_index_select_mgpu,
+                                              sparse_topk_select_mgpu)
 from pallas_kernels.topk_select import sparse_topk_select_reference
 from test_index_scores import MAX_PAGES, check_scores, make_batch
 from test_topk_select import check_structure
@@ -114,10 +115,11 @@ def test_scores_alone_match_reference(dtype, num_heads, index_dim, num_ctas):
 
 
 @pytest.mark.parametrize("num_heads,num_pages,local_blocks,init_blocks", [
-    (4, 40, 1, 0), (1, 128, 2, 1), (2, 200, 0, 0), (3, 1024, 1, 0)])
+    (4, 40, 1, 0), (1, 128, 2, 1), (2, 200, 0, 0), (3, 1024, 1, 0), (8, 130, 1, 0)])
 def test_select_alone_matches_reference(num_heads, num_pages, local_blocks, init_blocks):
     """sparse_topk_select_mgpu on random scores with ties, -0.0, -inf and NaN entries, counts
-    below 16, past P and negative; rows of P not a multiple of 128 are padded first."""
+    below 16, past P and negative; rows of P not a multiple of 128 are padded first. H = 4 and
+    8 run four heads per CTA (one per warp), the others one."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     t = 8
@@ -203,6 +205,10 @@ def test_rejects_unsupported_arguments(kw, match, exc):
     args.update(shape_kw)
     with pytest.raises(exc, match=match):
         lower_for_cuda(msa_index_select_mgpu, *index_specs(**args), **kw)
+
+
+def test_heads_per_select_cta():
+    assert [heads_per_select(h) for h in range(1, 9)] == [1, 1, 1, 4, 1, 1, 1, 4]
 
 
 @pytest.mark.parametrize("num_items,num_ctas", [(7, 3), (64, 264), (8192 * 1024, 528),
