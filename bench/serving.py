@@ -128,25 +128,23 @@ def run_point(params, mconfig, batch, context, impl, mode, iters, command_buffer
             "compile_s": compile_s, "kv_pages": num_pages}
 
 
+def parse_names(text: str, allowed, what: str) -> list[str]:
+    """'a,b' -> the listed names (each once, in order), all of them in ``allowed``; else an
+    argparse error naming ``what`` and the allowed names."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names or any(n not in allowed for n in names):
+        raise argparse.ArgumentTypeError(f"{what} must be from {tuple(allowed)}, got {text!r}")
+    return names
+
+
 def parse_index_cache_dtypes(text: str) -> list[str]:
-    """'bfloat16,float8_e4m3fn' -> the listed dtypes (each once, in order); others: error."""
-    dtypes = list(dict.fromkeys(d.strip() for d in text.split(",") if d.strip()))
-    bad = [d for d in dtypes if d not in INDEX_CACHE_DTYPES]
-    if not dtypes or bad:
-        raise argparse.ArgumentTypeError(f"index cache dtypes must be from {INDEX_CACHE_DTYPES}, "
-                                         f"got {text!r}")
-    return dtypes
+    """'bfloat16,float8_e4m3fn' -> the listed index-K cache dtypes."""
+    return parse_names(text, INDEX_CACHE_DTYPES, "index cache dtypes")
 
 
 def parse_command_buffers(text: str) -> list[str]:
-    """'xla,off' -> the listed names of ``COMMAND_BUFFERS`` (each once, in order); others:
-    error."""
-    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    bad = [n for n in names if n not in COMMAND_BUFFERS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"command buffers must be from "
-                                         f"{tuple(COMMAND_BUFFERS)}, got {text!r}")
-    return names
+    """'xla,off' -> the listed names of ``COMMAND_BUFFERS``."""
+    return parse_names(text, COMMAND_BUFFERS, "command buffers")
 
 
 def markdown_table(results: list[dict]) -> str:
