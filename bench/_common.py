@@ -45,6 +45,7 @@ import statistics
 import sys
 import time
 import warnings
+from typing import Mapping
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
@@ -223,7 +224,7 @@ def no_gc():
 
 def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
              preroll: int = PREROLL_FLUSHES, calls_per_dispatch: int = CALLS_PER_DISPATCH,
-             clock: bool | None = None, compiler_options: dict = NO_COMMAND_BUFFERS) -> Timing:
+             clock: bool | None = None, compiler_options: Mapping[str, str] = NO_COMMAND_BUFFERS) -> Timing:
     """Seconds per call of ``fn(*args)`` (see the module docstring), one sample per trial.
 
     fn: a jax function of arrays (pytrees allowed); args: its positional arguments.
@@ -287,7 +288,7 @@ _COMPILED: dict = {}
 
 
 def compiled_cold(fn, calls: int, clock: bool, args: tuple,
-                  compiler_options: dict = NO_COMMAND_BUFFERS):
+                  compiler_options: Mapping[str, str] = NO_COMMAND_BUFFERS):
     """The compiled cold executable of fn (None: the flushes alone) for args' shapes and
     dtypes and the XLA ``compiler_options``, cached; with the GPU timer and a loop, checked
     to launch the flush first."""

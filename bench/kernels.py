@@ -42,6 +42,7 @@ import gc  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from typing import Mapping  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -232,7 +233,7 @@ def ours_summary(timings: list) -> dict:
 
 def bench_shape(shape: Shape, vllm, *, reps: int, trials: int, rounds: int, seed: int,
                 fp8: bool, reference_check: bool,
-                xla_options: dict = _common.NO_COMMAND_BUFFERS) -> dict:
+                xla_options: Mapping[str, str] = _common.NO_COMMAND_BUFFERS) -> dict:
     """Both sides on the same inputs, interleaved over ``rounds``; medians of all samples.
     ``xla_options``: XLA compiler options of our timed executables (``time_jax``'s)."""
     x = make_inputs(shape, seed)

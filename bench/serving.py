@@ -47,7 +47,7 @@ from jax_msa_runner.attention.parallel import init_caches
 from jax_msa_runner.batch.buckets import Bucket
 from jax_msa_runner.batch.staging import pack_host_batch
 from jax_msa_runner.config import (COMMAND_BUFFERS, FP8_INDEX_CACHE_DTYPE, RESERVED_PAGES,
-                                   ModelConfig, RunnerConfig)
+                                   ModelConfig, RunnerConfig, xla_compile_options)
 from jax_msa_runner.model import init_params
 from jax_msa_runner.serving.runner import pack_step_inputs, serve_step
 from jax_msa_runner.serving.sampling import SamplingRows, init_penalty_state
@@ -78,7 +78,7 @@ def make_step(bucket, rconfig, mconfig, impl, mode, command_buffers="xla"):
         return out, caches, penalties
 
     return jax.jit(tokens_and_caches, donate_argnums=(1, 2),
-                   compiler_options=COMMAND_BUFFERS[command_buffers] or None)
+                   compiler_options=xla_compile_options(command_buffers))
 
 
 def run_point(params, mconfig, batch, context, impl, mode, iters, command_buffers="xla"):

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+from types import MappingProxyType
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -27,12 +28,18 @@ FP8_INDEX_CACHE_DTYPE = "float8_e4m3fn"
 # the compile options of each choice. "xla": XLA's default kinds, custom calls included;
 # "off": none; "no-custom-calls": XLA's kinds less custom calls, so the Pallas kernels launch
 # on the stream, with programmatic dependent launch, while fusions and GEMMs stay in graphs.
-COMMAND_BUFFERS = {
-    "xla": {},
-    "off": {"xla_gpu_enable_command_buffer": ""},
-    "no-custom-calls": {"xla_gpu_enable_command_buffer":
-                        "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"},
-}
+COMMAND_BUFFERS = MappingProxyType({
+    "xla": MappingProxyType({}),
+    "off": MappingProxyType({"xla_gpu_enable_command_buffer": ""}),
+    "no-custom-calls": MappingProxyType({"xla_gpu_enable_command_buffer":
+                                         "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"}),
+})
+
+
+def xla_compile_options(command_buffers: str) -> dict[str, str] | None:
+    """The ``compiler_options`` of ``jax.jit`` / ``Lowered.compile`` for the choice
+    ``COMMAND_BUFFERS[command_buffers]``: a new dict, or None for XLA's defaults."""
+    return dict(COMMAND_BUFFERS[command_buffers]) or None
 
 
 class ConfigError(ValueError):

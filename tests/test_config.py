@@ -63,3 +63,18 @@ def test_scheduler_config_errors_name_the_field(kwargs, match):
     base = dict(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, num_pages=8)
     with pytest.raises(ConfigError, match=match):
         SchedulerConfig(**{**base, **kwargs})
+
+
+def test_xla_compile_options_are_fresh_dicts_of_read_only_choices():
+    from jax_msa_runner.config import COMMAND_BUFFERS, xla_compile_options
+    assert xla_compile_options("xla") is None
+    off = xla_compile_options("off")
+    assert off == {"xla_gpu_enable_command_buffer": ""} and type(off) is dict
+    off["xla_gpu_enable_command_buffer"] = "FUSION"  # the caller's copy, not the table
+    assert xla_compile_options("off") == {"xla_gpu_enable_command_buffer": ""}
+    assert xla_compile_options("no-custom-calls") == {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"}
+    with pytest.raises(TypeError):
+        COMMAND_BUFFERS["off"]["xla_gpu_enable_command_buffer"] = "FUSION"
+    with pytest.raises(KeyError):
+        xla_compile_options("graphs")

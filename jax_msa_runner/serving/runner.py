@@ -42,7 +42,7 @@ from jax_msa_runner.batch.metadata import BatchMetadata
 from jax_msa_runner.batch.staging import (dummy_host_batch, pack_host_batch, packed_size,
                                           stage_packed)
 from jax_msa_runner.batch.validate import validate_metadata
-from jax_msa_runner.config import COMMAND_BUFFERS, ModelConfig, RunnerConfig
+from jax_msa_runner.config import ModelConfig, RunnerConfig, xla_compile_options
 from jax_msa_runner.model import compute_logits, forward, init_params
 from jax_msa_runner.serving.compile_count import CompileCounter
 from jax_msa_runner.serving.sampling import (PenaltyState, SamplingRows, StepOutput,
@@ -220,7 +220,7 @@ class ModelRunner:
                                                 interpret=self.interpret, mesh=self.mesh,
                                                 all_token_logits=self.all_token_logits)
                 self._compiled[bucket] = lowered.compile(
-                    compiler_options=COMMAND_BUFFERS[self.rconfig.command_buffers] or None)
+                    compiler_options=xla_compile_options(self.rconfig.command_buffers))
                 nxt, md = self._run(bucket, buf)  # the "capture" run
                 if self.debug:
                     validate_metadata(md, self.rconfig)
