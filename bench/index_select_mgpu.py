@@ -12,7 +12,7 @@ against ``msa_index_scores_mgpu``, their largest difference) and the select over
 scores (``sparse_topk_select`` against ``sparse_topk_select_mgpu``, agreement).
 
 Usage (GPU machine): python3 bench/index_select_mgpu.py --out FILE.json [--shapes 0,1,8]
-  [--grid 'ctas=0,528;ns=2,3|ns=4'] [--fp8] [--parts] [--reps 100] [--trials 3]
+  [--grid 'ctas=0,528;ns=2,3|ns=4'] [--fp8] [--parts] [--heads 1] [--reps 100] [--trials 3]
 """
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def main(argv=None) -> int:
                     help="e4m3 index queries over an e4m3 index-K cache on both kernels")
     ap.add_argument("--parts", action="store_true",
                     help="time the scores and the select on their own (each backend)")
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help="keep only the first HEADS index heads of every shape's queries")
     a = ap.parse_args(argv)
     shapes = all_shapes()
     if a.shapes:
@@ -66,8 +68,10 @@ def main(argv=None) -> int:
         x = make_inputs(shape, 0)
         if a.fp8:
             x = dict(x, index_q=x["index_q"].astype(FP8), index_k=x["index_k"].astype(FP8))
+        if a.heads is not None:
+            x = dict(x, index_q=x["index_q"][:, :a.heads])
         args = tuple(x[k] for k in ARGS)
-        row = dict(shape=shape.name)
+        row = dict(shape=shape.name, index_heads=int(x["index_q"].shape[1]))
         if a.parts:
             row.update(time_parts(args, a.reps, a.trials))
         else:

@@ -160,6 +160,7 @@ def _scores_body(q_ref, k_ref, bt_ref, req_ref, pos_ref, sc_ref, a_smem, k_ring,
         def _unread():  # past the position: -inf (a given num_valid_pages may reach it)
             for hh in range(num_heads):
                 sc_ref[t, hh, col] = jnp.float32(-jnp.inf)
+            plgpu.commit_smem()  # the barrier a read item has: a score row is reused at i + 2
 
         pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot))  # the slot is free again
         return 0
@@ -292,6 +293,11 @@ def _scores(index_q, index_k_cache, block_table, req_indices, positions, *, widt
                        plgpu.SMEM((2, QCOLS), jnp.float32),
                        plgpu.Barrier(num_barriers=num_stages)],
         grid=(num_ctas,), grid_names=("g",), interpret=params,
+        # The body's own barriers order its shared memory (no automatic barrier around each
+        # load and store): the query tile and a ring slot are rewritten only after the
+        # commit_smem barrier of the last item that read them (after its wgmma wait), and a
+        # score row two items later, after the barrier of the item between.
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
         kernel_name="msa_index_scores_mgpu",
     )(index_q, index_k_cache, block_table, req_indices, positions)
 

@@ -354,6 +354,11 @@ def test_check_flush_first():
           f"  %flush = {flush} fusion(%b), kind=kLoop\n"
           f"  %op = bf16[4,8]{{1,0}} custom-call(%c), custom_call_target=\"mosaic_gpu\"")
     _common.check_flush_first(ok)
+    fill = "  %zeros = s32[16]{0} fusion(), kind=kLoop, calls=%fused_broadcast\n"
+    _common.check_flush_first(ok.replace("  %flush", fill + "  %flush"))
+    with pytest.raises(ValueError, match="not the flush"):
+        _common.check_flush_first(ok.replace("  %flush", fill.replace("fusion()", "fusion(%b)")
+                                             + "  %flush"))
     bad = ok.replace("%flush", "%tmp").replace("%op =", "%flush =")
     bad = "\n".join([bad.splitlines()[0], bad.splitlines()[1], bad.splitlines()[3],
                      bad.splitlines()[2]])
