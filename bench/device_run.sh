@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200 device call (carry .vllm_ops, and .whl if packages must travel): the kernel tests
-# compiled on the GPU, then bench/kernels.py against vLLM's ops. About 7 minutes at most.
+# compiled on the GPU, then bench/kernels.py against vLLM's ops (it fails without them).
+# About 7 minutes at most.
 # $OUT gets gpu_tests.log, kernels.log, kernels.json, kernels.md and roofline.png.
 # Usage: bash bench/device_run.sh [all|tests|kernels] [more bench/kernels.py flags]
 # (TEST_TIMEOUT_S bounds the tests, KERNELS_TIMEOUT_S the bench, e.g. with --sweep)
@@ -22,7 +23,7 @@ if [[ $what != kernels ]]; then
 fi
 [[ $what == tests ]] && exit 0
 budget=$(( 380 - SECONDS )); (( budget < 60 )) && budget=60  # start no shape after this
-timeout ${KERNELS_TIMEOUT_S:-$(( budget + 70 ))} python3 bench/kernels.py --out "$out" --budget-s "$budget" "$@" \
+timeout ${KERNELS_TIMEOUT_S:-$(( budget + 70 ))} python3 bench/kernels.py --out "$out" --require-vllm --budget-s "$budget" "$@" \
   > "$out/kernels.log" 2>&1
 echo "kernels.py rc=$? after ${SECONDS}s"
 grep -v '^|' "$out/kernels.log" | tail -n 15  # errors, if any
