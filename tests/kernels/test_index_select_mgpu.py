@@ -114,6 +114,26 @@ def test_scores_alone_match_reference(dtype, num_heads, index_dim, num_ctas):
                  atol=5e-2 if fp8_on_gpu else 1e-3)
 
 
+def test_scores_alternating_read_and_unread_items():
+    """Items alternate read (column 0) and unread (column 1: every token's position is in its
+    first block), so a CTA rewrites each of its two score rows right after an unread item: the
+    kernel has no automatic barriers, and the unread item's barrier must keep that rewrite
+    behind the other warps' reads of the row. Compiled, the kernel runs repeatedly."""
+    rng = np.random.default_rng(fresh_seed())
+    t, h, di, n = 96, 4, 128, 40
+    q = jnp.asarray(rng.standard_normal((t, h, di)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((n, PAGE_SIZE, di)), jnp.bfloat16)
+    bt = jnp.asarray(rng.integers(0, n, (t, 2)), jnp.int32)
+    req = jnp.arange(t, dtype=jnp.int32)
+    pos = jnp.asarray(rng.integers(0, PAGE_SIZE, t), jnp.int32)
+    want = np.asarray(msa_index_scores_reference(q, k, bt, req, pos))
+    chex.assert_trees_all_equal(np.isneginf(want[:, :, 1]), np.ones((t, h), bool))
+    for _ in range(1 if resolve_interpret(None) else 50):
+        got = msa_index_scores_mgpu(q, k, bt, req, pos, num_ctas=6)
+        chex.assert_shape(got, (t, h, 2))
+        chex.assert_trees_all_close(np.asarray(got), want, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("num_heads,num_pages,local_blocks,init_blocks", [
     (4, 40, 1, 0), (1, 128, 2, 1), (2, 200, 0, 0), (3, 1024, 1, 0), (8, 130, 1, 0)])
 def test_select_alone_matches_reference(num_heads, num_pages, local_blocks, init_blocks):
