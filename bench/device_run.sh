@@ -23,8 +23,8 @@ if [[ $what != kernels ]]; then
 fi
 [[ $what == tests ]] && exit 0
 budget=$(( 380 - SECONDS )); (( budget < 60 )) && budget=60  # start no shape after this
-timeout ${KERNELS_TIMEOUT_S:-$(( budget + 70 ))} python3 bench/kernels.py --out "$out" --require-vllm --budget-s "$budget" "$@" \
-  > "$out/kernels.log" 2>&1
+timeout ${KERNELS_TIMEOUT_S:-$(( budget + 70 ))} python3 bench/kernels.py --out "$out" \
+  --require-vllm --budget-s "$budget" "$@" > "$out/kernels.log" 2>&1
 echo "kernels.py rc=$? after ${SECONDS}s"
 grep -v '^|' "$out/kernels.log" | tail -n 15  # errors, if any
 sed '/^vLLM timing per op/,$d' "$out/kernels.md" 2>/dev/null  # the main table
