@@ -2,7 +2,8 @@
 
 Variants: the Mosaic GPU decode with and without programmatic dependent launch (``pdl``), with
 the library ``exp2``/``log2`` instead of the default approximate instructions
-(``approx_math=False``), with a 2-deep ring (``mgpu_st2``; 2 splits: ``mgpu_s2_st2``), a
+(``approx_math=False``), with the split states exchanged through global memory
+(``mgpu_global``), with a 2-deep ring (``mgpu_st2``; 2 splits: ``mgpu_s2_st2``), a
 3-deep ring (``mgpu_st3``), with clusters of 4 (``mgpu_s4``), and the Triton decode.
 
 Shapes: Hq/Hkv 16/1 and 64/4, D 128, B decode tokens in 1/16/64/128, every request at context
@@ -113,6 +114,7 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
     "mgpu_s2_st2": mgpu_fn(num_splits=2, num_stages=2),
     "mgpu_s4": mgpu_fn(num_splits=4),
     "mgpu_st3": mgpu_fn(num_stages=3),
+    "mgpu_global": mgpu_fn(exchange="global"),
     "triton": triton_fn,
 }
 

@@ -3,7 +3,8 @@
 Runs ``sparse_decode_mgpu`` with Mosaic GPU's on-device profiler (``profile_dir``): every call
 writes a trace of the kernel's named regions (``pdl_wait``, ``metadata``, ``issue``, ``q_wait``,
 then per page ``k_wait``, ``qk_dot``, ``softmax``, ``p_store``, ``v_wait``, ``pv``, then
-``publish``, ``cluster_wait``, ``merge_issue``, ``merge``, ``store``) per CTA. The traced calls
+``exchange``, ``receive_wait``, ``merge`` (or through global memory ``publish``,
+``cluster_wait``, ``merge_issue``, ``merge``, ``store``)) per CTA. The traced calls
 run inside the benches' cold-L2 executable (``_common.time_jax``: 512 MiB flush; op), so the
 kernel sees what it sees there.
 
@@ -36,7 +37,7 @@ from pallas_kernels.sparse_decode_mgpu import sparse_decode_mgpu  # noqa: E402
 
 DEFAULT_SHAPES = "16/1/1/8192,16/1/16/8192,64/4/1/65536,64/4/16/8192,16/1/128/8192"
 VARIANTS = {"default": {}, "precise_math": dict(approx_math=False),
-            "stages_3": dict(num_stages=3)}
+            "stages_3": dict(num_stages=3), "global_exchange": dict(exchange="global")}
 
 
 def cta_timelines(trace: dict, sm_mhz: float) -> list[dict]:

@@ -13,17 +13,24 @@ approximate ``exp2``, finite mask value) with wgmma in transposed form, so that 
 (padded to a multiple of 8) is the wgmma's N and no row is padding: ``S^T = K Q^T`` (keys on M,
 the softmax reduces over them across the warps), ``P`` stored transposed as ``[group, 128]``,
 ``acc^T += V^T P^T`` (head dim on M). A slot's next K is issued as soon as ``S^T`` has read it.
-With ``S > 1`` each CTA publishes its unnormalised state in outputs by TMA as it holds it
-(``acc^T [D, group]``, ``m``, ``l``, f32), the cluster meets at a cluster barrier (with
-acquire/release fences), and the split merge happens inside the kernel in tasks of 64 head
-dims x 8 group rows (``D / 64 * group / 8`` tasks; CTA ``c`` takes tasks ``c, c + S, ...``):
-a CTA issues the TMA gathers of all its tasks' ``[64, 8]`` tiles of the ``S`` states (and the
-peers' ``m``, ``l``) into the finished ring at once, then merges each task and writes the
-output's ``[8, 64]`` block, transposed through shared memory.
-Outputs leave through shared memory by TMA, only the group's real rows. With ``pdl`` (the
-default) the kernel is launched with programmatic dependent launch: it waits for the previous
-kernel's writes (``griddepcontrol.wait``) before its first input read and lets the next kernel
-launch once its page loop is done.
+With ``S > 1`` the split merge happens inside the kernel. Each CTA normalises its state
+(``out^T [D, group]`` f32 and the base-2 LSE); split ``k`` weighs ``2^(lse_k - max lse)``.
+Two transports (``exchange``): ``"cluster"``: every thread stores its registers of the state
+straight into the shared memory of the CTA that merges those head dims (``st.async``; CTA
+``o`` merges ``[o D / S, (o + 1) D / S)`` of every group row, into receive buffers of its own)
+and the bytes are counted by one barrier in the receiver (initialised before the page loop and
+published to the cluster at the hardware cluster barrier, whose wait comes after the loop);
+each CTA waits for its S shares, merges them and writes its head dims to the output from
+registers. ``"global"``: each CTA publishes its state
+in outputs by TMA, the cluster meets at a cluster barrier (with acquire/release fences), and
+the merge runs in tasks of 64 head dims x 8 group rows (CTA ``c`` takes tasks ``c, c + S,
+...``), gathered by TMA into the finished ring and written as ``[8, 64]`` blocks through
+shared memory. The interpreter has no store into a peer CTA's shared memory, so interpreted
+kernels take the global transport.
+With ``S = 1`` the output leaves through shared memory by TMA, only the group's real rows.
+With ``pdl`` (the default) the kernel is launched with programmatic dependent launch: it waits
+for the previous kernel's writes (``griddepcontrol.wait``) before its first input read and lets
+the next kernel launch once its page loop is done.
 
 Safety boundary (as the Triton kernel and the reference): a slot ``j`` is consumed iff
 ``j < min(ceil(kv_len / 128), 16)`` and its block id is in ``[0, min(ceil(kv_len / 128), P))``;
@@ -44,6 +51,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, gpu, llvm, memref, nvvm, vector
+from jaxlib.mlir.dialects import math as mlir_math
+import numpy as np
 
 from pallas_kernels._interpret import mosaic_interpret_params
 from pallas_kernels._shapes import NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK
@@ -58,12 +69,14 @@ SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
 FILL_CTAS = 128  # default splits: smallest power of two with rows * splits >= this (max 16)
 MERGE_ROWS = 64  # a merge task's head dims: the rows of its [64, 8] f32 WGMMA-layout tiles
 MERGE_COLS = 8  # a merge task's group rows (the tiles' columns)
+TILE_BYTES = MERGE_ROWS * MERGE_COLS * 4  # one [64, 8] f32 merge tile
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASK = -1e30  # finite mask value for scores (base-2 units)
 PROFILE_EVENTS = 256  # named-region events per warpgroup and call when profiling
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit wgmma operands
+EXCHANGES = ("cluster", "global")  # how a split's state reaches its merge tasks' owners
 _MERGE_COL = plgpu.Layout.WGMMA.reduce(0)  # a [8] vector along a merge tile's columns
 
 
@@ -92,19 +105,25 @@ def merge_tasks(head_dim: int, group: int, num_splits: int) -> int:
 
 
 def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2,
-               group: int = ROWS) -> int:
+               group: int = ROWS, exchange: str = "global") -> int:
     """Shared memory of one CTA for a GQA group of ``group`` rows (a multiple of 8; default
-    the largest): the K and V rings and P (reused by the split merge: this split's state, then
-    the S tiles of each of its merge tasks and the peers' m and l), Q, the output/LSE staging,
-    plus a reserve."""
+    the largest): the K and V rings and P, Q, the output/LSE staging and a reserve, plus the
+    split merge's buffers. ``exchange="global"``: the ring's memory is reused after the page
+    loop (this split's state, then the S tiles of each of its merge tasks and the peers' LSE
+    rows). ``"cluster"``: receive buffers of their own (peers write them while this CTA may
+    still be in its page loop): ``D / S`` head dims x ``group`` f32 and an LSE row per split."""
     ring = num_stages * 2 * PAGE_SIZE * head_dim * itemsize + group * PAGE_SIZE * itemsize
-    publish = head_dim * group * 4 + 2 * group * 4
-    tiles = merge_tasks(head_dim, group, num_splits) * num_splits
-    gather = tiles * MERGE_ROWS * MERGE_COLS * 4 + 2 * num_splits * ROWS * 4
-    merge = 0 if num_splits == 1 else max(publish, gather)
     q = group * head_dim * itemsize
-    stage = 0 if num_splits == 1 else MERGE_COLS * MERGE_ROWS * itemsize
-    return max(ring, merge) + q + stage + ROWS * 4 + SMEM_RESERVE
+    fixed = q + ROWS * 4 + SMEM_RESERVE
+    if num_splits == 1:
+        return ring + fixed
+    if exchange == "cluster":
+        return ring + fixed + head_dim * group * 4 + num_splits * group * 4
+    tiles = merge_tasks(head_dim, group, num_splits) * num_splits
+    stage = MERGE_COLS * MERGE_ROWS * itemsize
+    publish = head_dim * group * 4 + group * 4
+    gather = tiles * TILE_BYTES + num_splits * ROWS * 4
+    return max(ring, publish, gather) + fixed + stage
 
 
 def smem_budget(num_splits: int, num_rows: int) -> int:
@@ -128,6 +147,14 @@ def default_stages(head_dim: int, num_splits: int, num_rows: int = 1) -> int:
     return 1
 
 
+def default_exchange(head_dim: int, num_splits: int, num_stages: int, num_rows: int,
+                     group: int = ROWS) -> str:
+    """``"cluster"`` (split states written straight into the merging CTA's shared memory)
+    where its receive buffer fits :func:`smem_budget` beside the ring, else ``"global"``."""
+    need = smem_bytes(head_dim, num_stages, num_splits, group=group, exchange="cluster")
+    return "cluster" if need <= smem_budget(num_splits, num_rows) else "global"
+
+
 @plgpu.inline_mgpu()
 def _cluster_fence(_ctx):
     """Every thread: ``fence.acq_rel.cluster`` then a warpgroup barrier. Before a cluster
@@ -137,30 +164,192 @@ def _cluster_fence(_ctx):
     mgpu_utils.warpgroup_barrier()
 
 
+@plgpu.inline_mgpu()
+def _cluster_wait(_ctx):
+    """Every thread: ``barrier.cluster.wait`` (acquire) for the arrival of all the cluster's
+    threads (:func:`_init_received`): every peer's receive barrier is initialised."""
+    mgpu_utils.inline_ptx("barrier.cluster.wait.aligned;", has_side_effects=True)
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+def _init_received(_ctx, mbar):
+    """Before the page loop: one thread initialises the receive barrier (``mbar``: 8 bytes of
+    shared memory, int32 ``[2]``) for one arrival per split, the init is published to the
+    cluster, and every thread arrives (relaxed) at the hardware cluster barrier; the wait
+    (:func:`_cluster_wait`) comes after the page loop, before the first store into a peer."""
+    i32 = ir.IntegerType.get_signless(32)
+    num_splits = gpu.cluster_dim_blocks(gpu.Dimension.x)
+    ptr = mgpu_utils.memref_ptr(mbar)
+    with mgpu_utils.when(mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.BLOCK)):
+        nvvm.mbarrier_init(ptr, arith.index_cast(i32, num_splits))
+    mgpu_utils.inline_ptx("fence.mbarrier_init.release.cluster;", has_side_effects=True)
+    mgpu_utils.inline_ptx("barrier.cluster.arrive.relaxed.aligned;", has_side_effects=True)
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(),
+                              plgpu.RefType(), plgpu.RefType()))
+def _send_state(_ctx, out_t, lse_t, recv_out, recv_lse, mbar):
+    """Stores this split's state into the shared memory of the CTAs that merge it.
+
+    ``out_t`` and ``lse_t``: ``[D, G]`` f32 (WGMMA layout), the normalised out^T and the
+    base-2 LSE broadcast over the head dim. CTA ``o`` of the cluster merges head dims
+    ``[o R, (o + 1) R)`` with ``R = D / S``; this CTA (rank ``k``) writes its rows of that
+    range to ``recv_out[k]`` (``[S, R, G]`` f32) of CTA ``o`` and its LSE row to
+    ``recv_lse[k]`` (``[S, G]`` f32) of every CTA, by ``st.async`` from registers, counted
+    by the receiver's barrier ``mbar``: thread ``o < S`` arrives once on CTA ``o``'s barrier,
+    expecting the bytes this CTA sends there. Nothing waits on this side."""
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    f32 = ir.F32Type.get()
+    num_splits, num_rows, group = ir.MemRefType(recv_out.type).shape
+    c = mgpu_utils.c
+    me = arith.index_cast(i32, gpu.cluster_block_id(gpu.Dimension.x))
+    mbar_ptr = mgpu_utils.memref_ptr(mbar)
+    out_ptr, lse_ptr = mgpu_utils.memref_ptr(recv_out), mgpu_utils.memref_ptr(recv_lse)
+    tid = arith.remui(mgpu_utils.thread_idx(), c(128, i32))
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, tid, c(num_splits, i32))):
+        mgpu_utils.inline_ptx(
+            "mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [$0], $1;",
+            mgpu_utils.get_cluster_ptr(mbar_ptr, tid, generic=False),
+            c((num_rows + 1) * group * 4, i32), has_side_effects=True)
+
+    def store(ptr, offset, owner, value):
+        dst = mgpu_utils.get_cluster_ptr(mgpu_utils.getelementptr(ptr, [offset], f32), owner,
+                                         generic=False)
+        bar = mgpu_utils.get_cluster_ptr(mbar_ptr, owner, generic=False)
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"), [dst, mgpu_utils.bitcast(value, i64), bar],
+            "st.async.cluster.shared::cluster.mbarrier::complete_tx::bytes.b64 [$0], $1, [$2];",
+            "l,l,l", has_side_effects=True)
+
+    for (row, col), reg in zip(out_t.layout.thread_idxs(out_t.shape),
+                               np.ndindex(out_t.registers.shape), strict=True):
+        row, col = arith.index_cast(i32, row), arith.index_cast(i32, col)
+        owner = arith.divui(row, c(num_rows, i32))
+        r = arith.remui(row, c(num_rows, i32))
+        flat = arith.addi(arith.muli(arith.addi(arith.muli(me, c(num_rows, i32)), r),
+                                     c(group, i32)), col)
+        store(out_ptr, flat, owner, out_t.registers[reg])
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, r, c(0, i32))):
+            store(lse_ptr, arith.addi(arith.muli(me, c(group, i32)), col), owner,
+                  lse_t.registers[reg])
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+def _wait_received(_ctx, mbar):
+    """Every thread: wait for the receive barrier's first phase (all splits' bytes)."""
+    i1, i32 = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32)
+    ref = mgpu_utils.BarrierRef(mgpu_utils.memref_ptr(mbar), mgpu_utils.c(0, i32), None, 1)
+    ref.wait_parity(mgpu_utils.c(0, i1))
+
+
+def _merge_received_fn(approx: bool):
+    """The merge of the states :func:`_send_state` delivered (``approx``: ``ex2``/``lg2`` as
+    the hardware's approximate instructions)."""
+    def unary(instr, fn):
+        if approx:
+            return lambda x: llvm.inline_asm(ir.F32Type.get(), [x], f"{instr} $0, $1;", "=f,f")
+        return fn
+
+    exp2 = unary("ex2.approx.ftz.f32", mlir_math.exp2)
+    log2 = unary("lg2.approx.ftz.f32", mlir_math.log2)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)
+    def merge(_ctx, recv_out, recv_lse, out_ref, lse_ref):
+        """``recv_out [S, R, G]`` and ``recv_lse [S, G]`` f32 (this CTA's range of head dims
+        from every split) into ``out_ref [G, D]`` (q's dtype) and, on the cluster's CTA 0,
+        ``lse_ref [G]`` f32 (natural log). Split ``k`` weighs ``2^(lse_k - max lse)``; splits
+        without a visible key (lse -inf) weigh 0, a row none saw gives zeros and -inf, NaN
+        propagates. One element per thread and step."""
+        index, i32, f32 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get()
+        num_splits, num_rows, group = ir.MemRefType(recv_out.type).shape
+        out_dtype = ir.MemRefType(out_ref.type).element_type
+        c = mgpu_utils.c
+        me = gpu.cluster_block_id(gpu.Dimension.x)
+        tid = arith.index_cast(index, arith.remui(mgpu_utils.thread_idx(), c(128, i32)))
+        ninf, fzero, fone = c(float("-inf"), f32), c(0.0, f32), c(1.0, f32)
+        eq = arith.CmpFPredicate.OEQ
+        head0 = arith.muli(me, c(num_rows, index))
+        lse_writer = arith.cmpi(arith.CmpIPredicate.eq, me, c(0, index))
+        total_elems = num_rows * group
+
+        def element(e):  # e = col * R + r: consecutive threads write consecutive head dims
+            col = arith.divui(e, c(num_rows, index))
+            r = arith.remui(e, c(num_rows, index))
+            lses = [memref.load(recv_lse, [c(k, index), col]) for k in range(num_splits)]
+            top = functools.reduce(arith.maximumf, lses)
+            top = arith.select(arith.cmpf(eq, top, ninf), fzero, top)
+            total, acc = fzero, fzero
+            for k in range(num_splits):
+                w = exp2(arith.subf(lses[k], top))
+                part = memref.load(recv_out, [c(k, index), r, col])
+                total = arith.addf(total, w)
+                acc = arith.addf(acc, arith.mulf(w, part))
+            empty = arith.cmpf(eq, total, fzero)
+            div = arith.select(empty, fone, total)
+            memref.store(arith.truncf(out_dtype, arith.divf(acc, div)), out_ref,
+                         [col, arith.addi(head0, r)])
+            lse = arith.mulf(arith.addf(top, log2(div)), c(LN2, f32))
+            first = arith.andi(lse_writer,
+                               arith.cmpi(arith.CmpIPredicate.eq, r, c(0, index)))
+            with mgpu_utils.when(first):
+                memref.store(arith.select(empty, ninf, lse), lse_ref, [col])
+
+        for j in range(-(-total_elems // 128)):
+            e = arith.addi(tid, c(128 * j, index))
+            if 128 * (j + 1) <= total_elems:
+                element(e)
+            else:
+                with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, e,
+                                                c(total_elems, index))):
+                    element(e)
+
+    return merge
+
+
 def _normalise(acc_t, m, l):
-    """(out^T, lse) of an unnormalised state: ``acc_t [D', G]`` f32 divided by ``l [G]``,
-    ``lse = (m + log2 l) * ln 2``. ``l == 0`` only for a row with no visible key (acc is 0
+    """(out^T, lse2) of an unnormalised state: ``acc_t [D', G]`` f32 divided by ``l [G]``,
+    ``lse2 = m + log2 l`` (base 2). ``l == 0`` only for a row with no visible key (acc is 0
     there): zeros and -inf; NaN stays NaN."""
     l_div = jnp.where(l == 0.0, 1.0, l)
     out_t = acc_t / lax.broadcast_in_dim(l_div, acc_t.shape, [1])
-    return out_t, jnp.where(l == 0.0, -jnp.inf, (m + jnp.log2(l_div)) * LN2)
+    return out_t, jnp.where(l == 0.0, -jnp.inf, m + jnp.log2(l_div))
+
+
+def _merge_splits(num_splits, load_out, load_lse):
+    """Merge of ``S`` normalised split states of one task: ``load_out(k)`` and
+    ``load_lse(k)`` give split k's ``[64, 8]`` f32 out^T tile and its base-2 LSE broadcast
+    over the tile's rows. Returns (out^T tile, natural-log lse ``[8]``). Splits without a
+    visible key (lse -inf) weigh 0; a row no split saw gives zeros and -inf; NaN propagates."""
+    top = functools.reduce(jnp.maximum, [load_lse(k) for k in range(num_splits)])
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    total, acc_t = None, None
+    for k in range(num_splits):
+        w = jnp.exp2(load_lse(k) - top)
+        term = w * load_out(k)
+        total = w if total is None else total + w
+        acc_t = term if acc_t is None else acc_t + term
+    div = jnp.where(total == 0.0, 1.0, total)
+    lse = jnp.where(total == 0.0, -jnp.inf, (top + jnp.log2(div)) * LN2)
+    return acc_t / div, lse.max(axis=0)
 
 
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
-                 num_cols, scale_log2, dtype, interpreting, pdl):
+                 num_cols, scale_log2, dtype, interpreting, pdl, exchange, approx_math):
     s_, ns, d = num_splits, num_stages, head_dim
+    via_global = s_ > 1 and exchange == "global"
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
     rest = refs[8:]
-    if s_ > 1:
-        apart_ref, mpart_ref, lpart_ref = rest[:3]
-        rest = rest[3:]
+    if via_global:
+        apart_ref, lpart_ref = rest[:2]
+        rest = rest[2:]
     q_smem, ring, lse_stage, kbar, vbar, qbar = rest[:6]
-    if s_ > 1:  # the ring's memory, reused after the page loop by the split merge
-        (k_smem, v_smem, pt_smem), (apub_smem, mpub_smem, lpub_smem), \
-            (g_smem, m_smem, l_smem) = ring
-        o_stage, cbar, tbar, mlbar = rest[6:]
+    if via_global:  # the ring's memory, reused after the page loop by the split merge
+        (k_smem, v_smem, pt_smem), (apub_smem, lpub_smem), (g_smem, l_smem) = ring
+        o_stage, cbar, tbar, lbar = rest[6:]
     else:
         k_smem, v_smem, pt_smem = ring
+    if s_ > 1 and not via_global:  # every split's state of my head dims, and its LSE rows
+        recv_out, recv_lse, mbar = rest[6:]
 
     t = lax.axis_index("t")
     h = lax.axis_index("h")
@@ -171,6 +360,8 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             plgpu.griddepcontrol_wait()
     # Q: the group's rows, zero-padded to a multiple of 8 (independent of the metadata)
     plgpu.copy_gmem_to_smem(q_ref.at[t, h], q_smem, qbar)
+    if s_ > 1 and not via_global:
+        _init_received(mbar)
 
     # Metadata as scalars: the safety boundary, the page ids, the rank of each consumed slot.
     with jax.named_scope("metadata"):
@@ -276,32 +467,34 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
     if s_ == 1:
         with jax.named_scope("store"):
-            out_t, lse = _normalise(acc, m, l)
+            out_t, lse2 = _normalise(acc, m, l)
             q_smem.transpose((1, 0))[...] = out_t.astype(dtype)  # Q is no longer read
-            lse_stage.at[pl.ds(0, group)][...] = lse
+            lse_stage.at[pl.ds(0, group)][...] = lse2 * LN2
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, o_ref.at[t, h])
             plgpu.copy_smem_to_gmem(lse_stage.at[pl.ds(0, group)], lse_ref.at[t, h])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         return
 
-    # Publish this split's state as it is (acc^T [D, group] f32, m, l), meet the cluster, then
-    # merge tiles of 64 head dims x 8 group rows: task i = (block i // (group / 8) of the head
-    # dim, block i % (group / 8) of the group), tasks c, c + S, ... on CTA c.
-    with jax.named_scope("publish"):
-        apub_smem[...] = acc
-        mpub_smem[...] = m
-        lpub_smem[...] = l
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(apub_smem, apart_ref.at[t, h, c])
-        plgpu.copy_smem_to_gmem(mpub_smem, mpart_ref.at[t, h, c, pl.ds(0, group)])
-        plgpu.copy_smem_to_gmem(lpub_smem, lpart_ref.at[t, h, c, pl.ds(0, group)])
-        plgpu.wait_smem_to_gmem(0)
-        _cluster_fence()
-        plgpu.barrier_arrive(cbar)
-    with jax.named_scope("cluster_wait"):
-        plgpu.barrier_wait(cbar)
-        _cluster_fence()
+    out_t, lse2 = _normalise(acc, m, l)
+    if not via_global:
+        # Straight into the merging CTAs' shared memory, one cluster barrier, then each CTA
+        # merges its D / S head dims of every group row.
+        with jax.named_scope("exchange"):
+            _cluster_wait()
+            _send_state(out_t, lax.broadcast_in_dim(lse2, out_t.shape, [1]), recv_out,
+                        recv_lse, mbar)
+        with jax.named_scope("receive_wait"):
+            _wait_received(mbar)
+        with jax.named_scope("merge"):
+            _merge_received_fn(approx_math)(recv_out, recv_lse, o_ref.at[t, h],
+                                            lse_ref.at[t, h])
+        return
+
+    # Through global memory, in tasks of 64 head dims x 8 group rows: task i = (block
+    # i // (group / 8) of the head dim, block i % (group / 8) of the group), merged by CTA
+    # i % S. Publish (out^T [D, group] f32, lse2), meet the cluster, then gather my tasks' S
+    # tiles and the peers' LSE rows by TMA.
     col_blocks = group // MERGE_COLS
     num_tasks = (d // MERGE_ROWS) * col_blocks
     my_tasks = merge_tasks(d, group, s_)
@@ -312,57 +505,66 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         return (task, pl.ds(lax.div(task, col_blocks) * MERGE_ROWS, MERGE_ROWS),
                 pl.ds(lax.rem(task, col_blocks) * MERGE_COLS, MERGE_COLS))
 
-    def _gather(n):  # the S tiles of my n-th task into g_smem.at[n * S + k]
-        _, rows, cols = _tile(n)
-        for k in range(s_):
-            plgpu.copy_gmem_to_smem(apart_ref.at[t, h, k, rows, cols], g_smem.at[n * s_ + k],
-                                    tbar.at[n])
-
-    def _merge_task(n):
-        task, rows, cols = _tile(n)
-        with jax.named_scope("merge"):
-            plgpu.barrier_wait(tbar.at[n])
-            ms = [plgpu.load(m_smem.at[k, cols], layout=_MERGE_COL, optimized=False)
-                  for k in range(s_)]
-            m_all = functools.reduce(jnp.maximum, ms)
-            l_all = jnp.zeros_like(m_all)
-            acc_t = None
-            for k in range(s_):
-                w = jnp.exp2(ms[k] - m_all)
-                l_all = l_all + w * plgpu.load(l_smem.at[k, cols], layout=_MERGE_COL,
-                                               optimized=False)
-                part = plgpu.load(g_smem.at[n * s_ + k], layout=plgpu.Layout.WGMMA,
-                                  optimized=False)
-                term = part * lax.broadcast_in_dim(w, part.shape, [1])
-                acc_t = term if acc_t is None else acc_t + term
+    def _store(task, rows, cols, out_tile, lse):
         with jax.named_scope("store"):
-            out_t, lse = _normalise(acc_t, m_all, l_all)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous task's staging
-            o_stage.transpose((1, 0))[...] = out_t.astype(dtype)
+            o_stage.transpose((1, 0))[...] = out_tile.astype(dtype)
             lse_stage.at[pl.ds(0, MERGE_COLS)][...] = lse
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_stage, o_ref.at[t, h, cols, rows])
             pl.when(lax.div(task, col_blocks) == 0)(lambda: plgpu.copy_smem_to_gmem(
                 lse_stage.at[pl.ds(0, MERGE_COLS)], lse_ref.at[t, h, cols]))
 
+    with jax.named_scope("publish"):
+        apub_smem[...] = out_t
+        lpub_smem[...] = lse2
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(apub_smem, apart_ref.at[t, h, c])
+        plgpu.copy_smem_to_gmem(lpub_smem, lpart_ref.at[t, h, c, pl.ds(0, group)])
+        plgpu.wait_smem_to_gmem(0)
+        _cluster_fence()
+        plgpu.barrier_arrive(cbar)
+    with jax.named_scope("cluster_wait"):
+        plgpu.barrier_wait(cbar)
+        _cluster_fence()
+
+    def _gather(n):  # the S tiles of my n-th task into g_smem.at[n * S + k]
+        _, rows, cols = _tile(n)
+        for k in range(s_):
+            plgpu.copy_gmem_to_smem(apart_ref.at[t, h, k, rows, cols], g_smem.at[n * s_ + k],
+                                    tbar.at[n])
+
+    def _merge_gathered(n):
+        task, rows, cols = _tile(n)
+        with jax.named_scope("merge"):
+            plgpu.barrier_wait(tbar.at[n])
+
+            def lse_tile(k):
+                row = plgpu.load(l_smem.at[k, cols], layout=_MERGE_COL, optimized=False)
+                return lax.broadcast_in_dim(row, (MERGE_ROWS, MERGE_COLS), [1])
+            out_tile, lse = _merge_splits(
+                s_, lambda k: plgpu.load(g_smem.at[n * s_ + k], layout=plgpu.Layout.WGMMA,
+                                         optimized=False), lse_tile)
+        _store(task, rows, cols, out_tile, lse)
+
     @pl.when(c < num_tasks)
     def _merge():
         with jax.named_scope("merge_issue"):  # every copy of my merge in flight at once
-            plgpu.copy_gmem_to_smem(mpart_ref.at[t, h], m_smem, mlbar)
-            plgpu.copy_gmem_to_smem(lpart_ref.at[t, h], l_smem, mlbar)
+            plgpu.copy_gmem_to_smem(lpart_ref.at[t, h], l_smem, lbar)
             for n in range(my_tasks):
                 pl.when(c + n * s_ < num_tasks)(functools.partial(_gather, n))
-            plgpu.barrier_wait(mlbar)
+            plgpu.barrier_wait(lbar)
         for n in range(my_tasks):
-            pl.when(c + n * s_ < num_tasks)(functools.partial(_merge_task, n))
+            pl.when(c + n * s_ < num_tasks)(functools.partial(_merge_gathered, n))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
-                                             "pdl", "approx_math", "profile_dir"))
+                                             "pdl", "approx_math", "exchange",
+                                             "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                        interpret=None, num_splits=None, num_stages=None, pdl=True,
-                       approx_math=True, profile_dir=None):
+                       approx_math=True, exchange=None, profile_dir=None):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
     :func:`pallas_kernels.sparse_decode.sparse_decode`.
 
@@ -384,6 +586,10 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
       approx_math: ``exp2`` and ``log2`` as the hardware's approximate instructions
         (``ex2.approx.ftz``, ``lg2.approx.ftz``; the default); ``False``: the precise (slower)
         library functions.
+      exchange: how the splits' states reach the CTAs that merge them (``num_splits > 1``):
+        ``"cluster"``, stores into the merging CTA's shared memory (compiled only);
+        ``"global"``, through global memory and a cluster barrier; ``None``:
+        :func:`default_exchange` compiled, ``"global"`` interpreted.
       profile_dir: a directory: each call writes a Perfetto trace there of the kernel's named
         regions per CTA (Mosaic GPU's profiler; a debugging aid, compiled only).
     Returns:
@@ -407,11 +613,20 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     if stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
     gp = padded_rows(hq, hkv)
-    need = smem_bytes(d, stages, splits, group=gp)
+    interpret = mosaic_interpret_params(interpret, inline_mgpu="ignore")  # skips inline fences
+    if exchange is None:
+        exchange = "global" if interpret is not None else default_exchange(d, splits, stages,
+                                                                             t * hkv, gp)
+    if exchange not in EXCHANGES:
+        raise ValueError(f"{name}: exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if exchange == "cluster" and interpret is not None:
+        raise ValueError(f"{name}: exchange 'cluster' needs the compiled kernel (interpret "
+                         f"mode has no stores into a peer CTA's shared memory)")
+    need = smem_bytes(d, stages, splits, group=gp, exchange=exchange)
     if need > SMEM_BYTES:
-        raise ValueError(f"{name}: num_stages {stages} with num_splits {splits}, D = {d} and a "
-                         f"GQA group of {gp} rows needs {need} bytes: more than {SMEM_BYTES} "
-                         f"bytes of shared memory")
+        raise ValueError(f"{name}: num_stages {stages} with num_splits {splits}, D = {d}, a "
+                         f"GQA group of {gp} rows and exchange {exchange!r} needs {need} bytes: "
+                         f"more than {SMEM_BYTES} bytes of shared memory")
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
 
@@ -420,20 +635,19 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     out_type = [jax.ShapeDtypeStruct((t, hkv, gp, d), q.dtype),
                 jax.ShapeDtypeStruct((t, hkv, gp), jnp.float32)]
-    if splits > 1:  # the splits' states: acc^T [D, group] f32, m, l
+    via_global = splits > 1 and exchange == "global"
+    tiles = merge_tasks(d, gp, splits) * splits  # the tiles a CTA merges
+    if via_global:  # the splits' states: out^T [D, group] f32 and the base-2 LSE
         out_type += [jax.ShapeDtypeStruct((t, hkv, splits, d, gp), jnp.float32),
-                     jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32),
                      jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32)]
     ring = (plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # K ring
             plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # V ring
             plgpu.SMEM((gp, PAGE_SIZE), q.dtype, transforms=_TILE))         # P
-    if splits > 1:  # after the page loop: this split's state, then the peers' tiles and m, l
+    if via_global:  # after the page loop: this split's state, then the peers' tiles and LSE
         ring = plgpu.RefUnion(
-            ring, (plgpu.SMEM((d, gp), jnp.float32),
-                   plgpu.SMEM((gp,), jnp.float32), plgpu.SMEM((gp,), jnp.float32)),
-            (plgpu.SMEM((merge_tasks(d, gp, splits) * splits, MERGE_ROWS, MERGE_COLS),
-                        jnp.float32),
-             plgpu.SMEM((splits, ROWS), jnp.float32), plgpu.SMEM((splits, ROWS), jnp.float32)))
+            ring, (plgpu.SMEM((d, gp), jnp.float32), plgpu.SMEM((gp,), jnp.float32)),
+            (plgpu.SMEM((tiles, MERGE_ROWS, MERGE_COLS), jnp.float32),
+             plgpu.SMEM((splits, ROWS), jnp.float32)))
     scratch = [
         plgpu.SMEM((gp, d), q.dtype, transforms=_TILE),                     # Q, then out (S=1)
         ring,
@@ -442,18 +656,21 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(),
     ]
-    if splits > 1:
+    if via_global:
         scratch += [plgpu.SMEM((MERGE_COLS, MERGE_ROWS), q.dtype, transforms=_TILE),  # out^T
                     plgpu.ClusterBarrier(collective_axes=("c",)),
                     plgpu.Barrier(num_arrivals=splits,  # each merge task's S tiles
                                   num_barriers=merge_tasks(d, gp, splits)),
-                    plgpu.Barrier(num_arrivals=2)]       # the peers' m and l
-    # Interpreting skips the kernel's inline fences (inline_mgpu).
-    interpret = mosaic_interpret_params(interpret, inline_mgpu="ignore")
+                    plgpu.Barrier()]                     # the peers' LSE rows
+    elif splits > 1:  # every split's out^T of my D / S head dims, and its base-2 LSE row
+        scratch += [plgpu.SMEM((splits, d // splits, gp), jnp.float32),
+                    plgpu.SMEM((splits, gp), jnp.float32),
+                    plgpu.SMEM((2,), jnp.int32)]  # the receive barrier (an mbarrier)
     body = functools.partial(
         _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
         num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
-        interpreting=interpret is not None, pdl=bool(pdl))
+        interpreting=interpret is not None, pdl=bool(pdl), exchange=exchange,
+        approx_math=bool(approx_math))
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
     profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir) if profile_dir else {}
     params = plgpu.CompilerParams(approx_math=bool(approx_math), **profile)
@@ -465,5 +682,6 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     return o[:, :, :g].reshape(t, hq, d), lse[:, :, :g].reshape(t, hq)
 
 
-__all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "smem_bytes",
-           "smem_budget", "merge_tasks", "padded_rows", "SPLITS", "STAGES", "HEAD_DIMS", "ROWS"]
+__all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "default_exchange",
+           "smem_bytes", "smem_budget", "merge_tasks", "padded_rows", "SPLITS", "STAGES",
+           "HEAD_DIMS", "ROWS", "EXCHANGES"]

@@ -31,9 +31,9 @@ from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels._lowering import lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode_reference
 from pallas_kernels._shapes import NUM_SMS_H200
-from pallas_kernels.sparse_decode_mgpu import (ROWS, SMEM_BYTES, STAGES, default_splits,
-                                               default_stages, merge_tasks, smem_budget,
-                                               smem_bytes, sparse_decode_mgpu)
+from pallas_kernels.sparse_decode_mgpu import (ROWS, SMEM_BYTES, STAGES, default_exchange,
+                                               default_splits, default_stages, merge_tasks,
+                                               smem_budget, smem_bytes, sparse_decode_mgpu)
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -51,19 +51,20 @@ TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 output, P rounded to bf16 before P V
 
 
 def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first,
-                            approx_math=True):
+                            approx_math=True, exchange=None):
     """Kernel vs reference on one fresh batch; raises AssertionError naming the seed."""
     args, _ = build_batch(seed, hq=hq, hkv=hkv, d=d, long_first=long_first)
     args = tuple(jnp.asarray(a) for a in args)
     scale = d ** -0.5
     out, lse = sparse_decode_mgpu(*args, scale=scale, num_splits=num_splits,
-                                  num_stages=num_stages, approx_math=approx_math)
+                                  num_stages=num_stages, approx_math=approx_math,
+                                  exchange=exchange)
     ref_out, ref_lse = sparse_decode_reference(*args, scale=scale)
     t = args[0].shape[0]
     chex.assert_shape((out, lse), ((t, hq, d), (t, hq)))
     assert out.dtype == args[0].dtype and lse.dtype == jnp.float32
     chex.assert_tree_all_finite(out)
-    msg = f"seed {seed}, splits {num_splits}, stages {num_stages}"
+    msg = f"seed {seed}, splits {num_splits}, stages {num_stages}, exchange {exchange}"
     assert float(jnp.max(jnp.abs(out.astype(jnp.float32)))) < 0.1 * POISON_V, \
         f"poison page read ({msg})"
     try:
@@ -97,6 +98,21 @@ def test_precise_math_matches_reference(hq, hkv, d, num_splits, num_stages, long
     interpreter computes exactly either way)."""
     check_matches_reference(fresh_seed(), hq, hkv, d, num_splits, num_stages, long_first,
                             approx_math=False)
+
+
+@pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first",
+                         [IN_PROCESS[1], IN_PROCESS[3], IN_PROCESS[4]])
+def test_non_default_exchange(hq, hkv, d, num_splits, num_stages, long_first):
+    """The tests above run the default exchange: "cluster" where it fits when compiled,
+    "global" when interpreted. Compiled, "global" meets the same tolerance; interpreted,
+    "cluster" (stores into a peer CTA's shared memory) is refused by name."""
+    if ON_GPU:
+        check_matches_reference(fresh_seed(), hq, hkv, d, num_splits, num_stages, long_first,
+                                exchange="global")
+        return
+    with pytest.raises(ValueError, match="exchange 'cluster' needs the compiled kernel"):
+        check_matches_reference(fresh_seed(), hq, hkv, d, num_splits, num_stages, long_first,
+                                exchange="cluster")
 
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", BIG_CLUSTERS)
@@ -182,6 +198,9 @@ def _specs(t, hq, hkv, d=128, *, pages=4096, rows=128, cols=512, dtype=jnp.bfloa
     (dict(num_stages=4), "num_stages", ValueError),
     (dict(hq=128), "GQA group Hq/Hkv = 128 exceeds 64", ValueError),
     (dict(hq=64, num_splits=1, num_stages=3), "bytes of shared memory", ValueError),
+    (dict(exchange="dsmem"), "exchange must be one of", ValueError),
+    (dict(hq=64, num_splits=2, num_stages=3, exchange="cluster"),
+     "exchange 'cluster' needs [0-9]+ bytes", ValueError),
 ])
 def test_rejects_unsupported_arguments(kw, match, exc):
     d, dtype, hq = kw.pop("d", 128), kw.pop("dtype", jnp.bfloat16), kw.pop("hq", 16)
@@ -197,7 +216,7 @@ def test_default_config_fits_shared_memory():
         for d in (64, 128):
             for stages in STAGES:  # every ring fits a group of 16, the merge's reuse included
                 assert smem_bytes(d, stages, splits, group=16) <= SMEM_BYTES
-                merge = d * ROWS * 4 + 2 * ROWS * 4 if splits > 1 else 0  # the published state
+                merge = d * ROWS * 4 + ROWS * 4 if splits > 1 else 0  # the published state
                 assert smem_bytes(d, stages, splits) >= max(2 * stages * PAGE_SIZE * d * 2,
                                                             merge)
     # merge tasks of 64 head dims x 8 group rows, spread over the S CTAs
@@ -208,6 +227,21 @@ def test_default_config_fits_shared_memory():
     assert default_stages(128, 8) == 2  # both pages of a split in flight
     assert default_stages(128, 16) == 1  # one page per CTA
     assert default_stages(64, 1) == 2
+
+
+def test_default_exchange_is_cluster_where_its_receive_buffer_fits():
+    """The benchmark shapes with splits (group 16, D 128) exchange through the cluster's
+    shared memory, clusters of 8 over more than half the SMs within half an SM's; a group of
+    64 on such clusters does not fit there and goes through global memory."""
+    for rows in (1, 4, 16, 64):  # 16/1 and 64/4 at B = 1 and 16, 16/1 at B = 64
+        s = default_splits(rows)
+        st = default_stages(128, s, rows)
+        assert default_exchange(128, s, st, rows, group=16) == "cluster", rows
+        assert smem_bytes(128, st, s, group=16, exchange="cluster") <= smem_budget(s, rows)
+    assert default_exchange(128, 8, 1, 16, group=64) == "global"
+    for splits in (2, 4, 8, 16):  # receive buffers: D / S head dims and an LSE row per split
+        assert (smem_bytes(128, 1, splits, group=16, exchange="cluster")
+                - smem_bytes(128, 1, 1, group=16)) == splits * (128 // splits + 1) * 16 * 4
 
 
 def test_default_ring_fits_the_budget_of_every_row_count():
