@@ -21,12 +21,11 @@ straight into the shared memory of the CTA that merges those head dims (``st.asy
 and the bytes are counted by one barrier in the receiver (initialised before the page loop and
 published to the cluster at the hardware cluster barrier, whose wait comes after the loop);
 each CTA waits for its S shares, merges them and writes its head dims to the output from
-registers. ``"global"``: each CTA publishes its state
-in outputs by TMA, the cluster meets at a cluster barrier (with acquire/release fences), and
-the merge runs in tasks of 64 head dims x 8 group rows (CTA ``c`` takes tasks ``c, c + S,
-...``), gathered by TMA into the finished ring and written as ``[8, 64]`` blocks through
-shared memory. The interpreter has no store into a peer CTA's shared memory, so interpreted
-kernels take the global transport.
+registers. ``"global"``: each CTA publishes its state in outputs by TMA, the cluster meets at a
+cluster barrier (with acquire/release fences), and the merge runs in tasks of 64 head dims x 8
+group rows (CTA ``c`` takes tasks ``c, c + S, ...``), gathered by TMA into the finished ring
+and written as ``[8, 64]`` blocks through shared memory. The interpreter has no store into a
+peer CTA's shared memory, so interpreted kernels take the global transport.
 With ``S = 1`` the output leaves through shared memory by TMA, only the group's real rows.
 With ``pdl`` (the default) the kernel is launched with programmatic dependent launch: it waits
 for the previous kernel's writes (``griddepcontrol.wait``) before its first input read and lets
@@ -76,7 +75,7 @@ MASK = -1e30  # finite mask value for scores (base-2 units)
 PROFILE_EVENTS = 256  # named-region events per warpgroup and call when profiling
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit wgmma operands
-EXCHANGES = ("cluster", "global")  # how a split's state reaches its merge tasks' owners
+EXCHANGES = ("cluster", "global")  # how a split's state reaches the CTAs that merge it
 _MERGE_COL = plgpu.Layout.WGMMA.reduce(0)  # a [8] vector along a merge tile's columns
 
 
