@@ -305,6 +305,20 @@ def test_approx_math_lowers_to_fast_exp2(approx_math):
         assert (marker in text) == approx_math, marker
 
 
+@pytest.mark.parametrize("exchange", ["cluster", "global"])
+def test_exchange_lowers_to_its_transport(exchange):
+    """Compiled for the H200 with 16 splits, the cluster exchange stores into peers' shared
+    memory (``st.async``, counted by a remote ``mbarrier.arrive.expect_tx``) and needs no
+    acquire/release fences; the global exchange fences its publish and stores into no peer."""
+    text = lower_for_cuda(sparse_decode_mgpu, *_specs(1, 16, 1), scale=1.0, interpret=False,
+                          num_splits=16, num_stages=1, exchange=exchange)
+    assert len(_mosaic_calls(text)) == 1
+    for marker in ("st.async.cluster.shared::cluster",
+                   "mbarrier.arrive.expect_tx.release.cluster.shared::cluster"):
+        assert (marker in text) == (exchange == "cluster"), marker
+    assert ("fence.acq_rel.cluster" in text) == (exchange == "global")
+
+
 @pytest.mark.parametrize("pdl", [True, False])
 def test_pdl_marks_the_kernel(pdl):
     """``pdl=True`` (the default) lowers to a kernel marked for programmatic dependent launch,
