@@ -18,7 +18,6 @@ The interpreter has none of these instructions: interpreted kernels need another
 from __future__ import annotations
 
 import functools
-import math
 
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -27,7 +26,7 @@ from jaxlib.mlir.dialects import arith, gpu, llvm, memref, nvvm
 from jaxlib.mlir.dialects import math as mlir_math
 import numpy as np
 
-LN2 = math.log(2.0)
+from pallas_kernels.sparse_decode import LN2
 
 
 @plgpu.inline_mgpu()

@@ -42,7 +42,6 @@ no visible key gives zeros and ``lse = -inf``.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +53,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _cluster_exchange as cluster_exchange
 from pallas_kernels._interpret import mosaic_interpret_params
 from pallas_kernels._shapes import NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK
-from pallas_kernels.sparse_decode import validate_inputs
+from pallas_kernels.sparse_decode import LN2, LOG2E, MASK, validate_inputs
 
 ROWS = 64  # the largest GQA group; the length of the published LSE rows and the lse staging
 SPLITS = (1, 2, 4, 8, 16)  # cluster sizes (16: a non-portable size, which Hopper allows)
@@ -66,9 +65,6 @@ FILL_CTAS = 128  # default splits: smallest power of two with rows * splits >= t
 MERGE_ROWS = 64  # a merge task's head dims: the rows of its [64, 8] f32 WGMMA-layout tiles
 MERGE_COLS = 8  # a merge task's group rows (the tiles' columns)
 TILE_BYTES = MERGE_ROWS * MERGE_COLS * 4  # one [64, 8] f32 merge tile
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-MASK = -1e30  # finite mask value for scores (base-2 units)
 PROFILE_EVENTS = 256  # named-region events per warpgroup and call when profiling
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit wgmma operands
@@ -332,12 +328,12 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
     out_t, lse2 = _normalise(acc, m, l)
     if not via_global:
-        # Straight into the merging CTAs' shared memory, one cluster barrier, then each CTA
-        # merges its D / S head dims of every group row.
+        # Straight into the merging CTAs' shared memory, counted by each receiver's barrier;
+        # then each CTA merges its D / S head dims of every group row.
         with jax.named_scope("exchange"):
             cluster_exchange.cluster_wait()
-            cluster_exchange.send_state(out_t, lax.broadcast_in_dim(lse2, out_t.shape, [1]), recv_out,
-                        recv_lse, mbar)
+            lse_t = lax.broadcast_in_dim(lse2, out_t.shape, [1])
+            cluster_exchange.send_state(out_t, lse_t, recv_out, recv_lse, mbar)
         with jax.named_scope("receive_wait"):
             cluster_exchange.wait_received(mbar)
         with jax.named_scope("merge"):
