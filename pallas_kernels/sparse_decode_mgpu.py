@@ -61,7 +61,7 @@ STAGES = (1, 2, 3)
 MAX_DEFAULT_STAGES = 2  # a 2-deep ring measured faster than a 3-deep one (bench/RESULTS.md)
 HEAD_DIMS = (64, 128)  # multiples of the 64-element (128-byte) swizzle tile; register budget
 SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
-FILL_CTAS = 128  # default splits: smallest power of two with rows * splits >= this (max 16)
+FILL_CTAS = 64  # default splits: smallest power of two with rows * splits >= this (max 16)
 MERGE_ROWS = 64  # a merge task's head dims: the rows of its [64, 8] f32 WGMMA-layout tiles
 MERGE_COLS = 8  # a merge task's group rows (the tiles' columns)
 TILE_BYTES = MERGE_ROWS * MERGE_COLS * 4  # one [64, 8] f32 merge tile
@@ -80,8 +80,9 @@ def padded_rows(num_q_heads: int, num_kv_heads: int) -> int:
 
 def default_splits(num_rows: int) -> int:
     """Cluster size for ``num_rows = T * Hkv`` rows: the smallest power of two (<= 16) with
-    ``num_rows * splits >= 128`` CTAs, so small batches spread their pages over the SMs;
-    clusters of 16 (one page per CTA) only while ``num_rows * 16`` CTAs fit one per SM."""
+    ``num_rows * splits >= 64`` CTAs, so small batches spread their pages over the SMs (from
+    64 rows on, one CTA streams a row's 16 pages and nothing is merged); clusters of 16 (one
+    page per CTA) only while ``num_rows * 16`` CTAs fit one per SM."""
     cap = SPLITS[-1]
     if num_rows * 16 > NUM_SMS_H200:
         cap = min(cap, 8)

@@ -77,15 +77,18 @@ def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first
 
 # (hq, hkv, d, num_splits, num_stages, long_first): the 16/1 D=128 target layout with 16
 # consumed pages; GQA groups of 4 and 6 (padded to 8 rows), two KV heads, D=64; every ring;
-# a group of 64 on 2 splits (16 merge tasks, 8 per CTA).
+# a group of 64 on 2 splits (16 merge tasks, 8 per CTA); the default from 64 rows on (one
+# split, 2-deep ring).
 IN_PROCESS = [(16, 1, 128, 1, 3, True), (16, 1, 128, 2, 2, False), (8, 2, 64, 1, 1, False),
-              (12, 2, 64, 2, 1, False), (64, 1, 128, 2, 1, False)]
-# Then: B=16's default (one stage); a group of 24 on 4 splits, so the 6 merge tasks of the
+              (12, 2, 64, 2, 1, False), (64, 1, 128, 2, 1, False), (16, 1, 128, 1, 2, False)]
+# Then: B=16's default at 16/1 (4 splits, 2-deep); clusters of 8 over more than half the SMs
+# (one stage: the half-SM budget); a group of 24 on 4 splits, so the 6 merge tasks of the
 # global exchange fall unevenly (2 on CTAs 0 and 1, 1 on CTAs 2 and 3); D=64 on 16 splits,
 # where the cluster exchange's merge has 4 head dims x 8 group rows per CTA (fewer elements
 # than threads).
 BIG_CLUSTERS = [(16, 1, 128, 8, 2, True), (8, 2, 64, 4, 2, False), (16, 1, 128, 16, 1, True),
-                (16, 1, 128, 8, 1, False), (24, 1, 128, 4, 1, False), (8, 2, 64, 16, 1, False)]
+                (16, 1, 128, 4, 2, False), (16, 1, 128, 8, 1, False), (24, 1, 128, 4, 1, False),
+                (8, 2, 64, 16, 1, False)]
 
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", IN_PROCESS)
@@ -212,8 +215,8 @@ def test_rejects_unsupported_arguments(kw, match, exc):
 
 
 def test_default_config_fits_shared_memory():
-    assert [default_splits(r) for r in (1, 4, 8, 9, 16, 63, 64, 65, 128, 512)] == \
-        [16, 16, 16, 8, 8, 4, 2, 2, 1, 1]
+    assert [default_splits(r) for r in (1, 4, 5, 8, 9, 16, 17, 32, 63, 64, 65, 128, 512)] == \
+        [16, 16, 16, 8, 8, 4, 4, 2, 2, 1, 1, 1, 1]
     for splits in (1, 2, 4, 8, 16):
         for d in (64, 128):
             for stages in STAGES:  # every ring fits a group of 16, the merge's reuse included
@@ -232,10 +235,10 @@ def test_default_config_fits_shared_memory():
 
 
 def test_default_exchange_is_cluster_where_its_receive_buffer_fits():
-    """The benchmark shapes with splits (group 16, D 128) exchange through the cluster's
-    shared memory, clusters of 8 over more than half the SMs within half an SM's; a group of
-    64 on such clusters does not fit there and goes through global memory."""
-    for rows in (1, 4, 16, 64):  # 16/1 and 64/4 at B = 1 and 16, 16/1 at B = 64
+    """The default splits of a group of 16 at D 128 exchange through the cluster's shared
+    memory; a group of 64 on clusters of 8 over more than half the SMs (half an SM's shared
+    memory each) does not fit there and goes through global memory."""
+    for rows in (1, 4, 16, 32):  # 16/1 and 64/4 at B = 1, 16/1 at B = 16, 64/4 at B = 8
         s = default_splits(rows)
         st = default_stages(128, s, rows)
         assert default_exchange(128, s, st, rows, group=16) == "cluster", rows
