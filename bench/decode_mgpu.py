@@ -22,6 +22,7 @@ printed too (``_common.hlo_kernel_count``).
 Usage (GPU machine): python3 bench/decode_mgpu.py --out results.json [--reps 10] [--trials 5]
   [--shapes 16/1/1/8192,...] [--variants mgpu,triton,...]
   [--sweep]  (--sweep also times every num_splits x num_stages)
+  [--inputs indexer]  (bench/kernels.py's inputs, selected by our indexer)
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 from _common import (hlo_kernel_count, non_negative_int, positive_int,  # noqa: E402
                      time_jax)
 
+import _shapes_inputs  # noqa: E402
 from _shapes_inputs import HEAD_DIM, Shape, all_shapes  # noqa: E402
 from pallas_kernels import PAGE_SIZE, TOPK  # noqa: E402
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference  # noqa: E402
@@ -74,6 +76,17 @@ def make_inputs(shape: Shape, seed: int) -> tuple:
     kv_lens = jnp.full((shape.batch,), shape.context, jnp.int32)
     req = jnp.arange(shape.batch, dtype=jnp.int32)
     return q, kv, selected, block_table, req, kv_lens
+
+
+def make_indexer_inputs(shape: Shape, seed: int) -> tuple:
+    """As :func:`make_inputs`, from ``bench/kernels.py``'s inputs: its caches, block table and
+    queries (``_shapes_inputs.make_inputs``) and our indexer's top-16 as the selection."""
+    x = _shapes_inputs.make_inputs(shape, seed)
+    selected = jax.jit(_shapes_inputs.our_indexer)(x)
+    return x["q"], x["kv"], selected, x["block_table"], x["req_indices"], x["kv_lens"]
+
+
+INPUTS = {"random": make_inputs, "indexer": make_indexer_inputs}
 
 
 def time_op(fn, args, *, reps: int, trials: int) -> dict:
@@ -128,13 +141,13 @@ def sweep_configs(hq: int, hkv: int) -> list[tuple[int, int]]:
 
 
 def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool,
-                variants: list[str]) -> dict:
-    args = make_inputs(shape, seed)
+                variants: list[str], inputs: str = "random") -> dict:
+    args = INPUTS[inputs](shape, seed)
     jax.block_until_ready(args)
     ref = sparse_decode_reference(*args, scale=SCALE)
     rows = shape.batch * shape.hkv
     splits = default_splits(rows)
-    row = dict(shape=shape_id(shape), hq=shape.hq, hkv=shape.hkv, batch=shape.batch,
+    row = dict(shape=shape_id(shape), inputs=inputs, hq=shape.hq, hkv=shape.hkv, batch=shape.batch,
                context=shape.context, bytes=shape.decode_bytes,
                mgpu_config=dict(num_splits=splits,
                                 num_stages=default_stages(HEAD_DIM, splits, rows)))
@@ -195,6 +208,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=non_negative_int, default=0)
     ap.add_argument("--shapes", default="", help="comma list Hq/Hkv/B/L (default: all 16)")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--inputs", choices=tuple(INPUTS), default="random",
+                    help="random selections (default) or bench/kernels.py's inputs and our "
+                         "indexer's selection")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma list of {', '.join(VARIANTS)}")
     a = ap.parse_args(argv)
@@ -212,7 +228,7 @@ def main(argv=None) -> int:
     for sh in shapes:
         t0 = time.perf_counter()
         row = bench_shape(sh, reps=a.reps, trials=a.trials, seed=a.seed, sweep=a.sweep,
-                          variants=variants)
+                          variants=variants, inputs=a.inputs)
         row["bench_s"] = round(time.perf_counter() - t0, 1)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
