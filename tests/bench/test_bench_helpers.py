@@ -324,6 +324,24 @@ def test_decode_mgpu_sweep_fits_each_shapes_group():
     assert all(st <= -(-16 // s) for s, st in configs)
 
 
+def test_decode_mgpu_indexer_inputs_are_kernels_py_inputs():
+    """decode_mgpu.py --inputs indexer: bench/kernels.py's caches, block table and queries,
+    with our indexer's top-16 (interpreted here) as the selection, in make_inputs' order."""
+    import decode_mgpu
+    from _shapes_inputs import Shape, make_inputs
+    shape = Shape(16, 1, 3, 1280)  # 10 pages per request
+    q, kv, sel, bt, req, lens = decode_mgpu.INPUTS["indexer"](shape, 5)
+    x = make_inputs(shape, 5)
+    chex.assert_trees_all_equal((q, kv, bt, req, lens),
+                                (x["q"], x["kv"], x["block_table"], x["req_indices"],
+                                 x["kv_lens"]))
+    chex.assert_shape(sel, (3, 1, 16))
+    sel = np.asarray(sel)
+    assert ((sel >= 0) & (sel < 10)).sum(-1).tolist() == [[10]] * 3  # every page, then -1
+    assert (np.sort(sel, -1)[..., :6] == -1).all()
+    assert decode_mgpu.INPUTS["random"] is decode_mgpu.make_inputs
+
+
 def test_index_select_mgpu_grid_names_each_combination():
     """index_select_mgpu.py --grid: every combination within each |-part, named by its
     values; ctas=0 leaves the kernel's default grid."""
