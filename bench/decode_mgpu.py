@@ -147,8 +147,8 @@ def bench_shape(shape: Shape, *, reps: int, trials: int, seed: int, sweep: bool,
     ref = sparse_decode_reference(*args, scale=SCALE)
     rows = shape.batch * shape.hkv
     splits = default_splits(rows)
-    row = dict(shape=shape_id(shape), inputs=inputs, hq=shape.hq, hkv=shape.hkv, batch=shape.batch,
-               context=shape.context, bytes=shape.decode_bytes,
+    row = dict(shape=shape_id(shape), inputs=inputs, hq=shape.hq, hkv=shape.hkv,
+               batch=shape.batch, context=shape.context, bytes=shape.decode_bytes,
                mgpu_config=dict(num_splits=splits,
                                 num_stages=default_stages(HEAD_DIM, splits, rows)))
     for name in variants:
