@@ -4,8 +4,7 @@ Variants: the Mosaic GPU decode with and without programmatic dependent launch (
 the library ``exp2``/``log2`` instead of the default approximate instructions
 (``approx_math=False``), with the split states exchanged through global memory
 (``mgpu_global``), with a 2-deep ring (``mgpu_st2``; 2 splits: ``mgpu_s2_st2``), a
-3-deep ring (``mgpu_st3``), with clusters of 4 (``mgpu_s4``), asking the L2 for ``n`` pages
-ahead of the ring (``mgpu_pf{n}``, n in 1/2/4/16), and the Triton decode.
+3-deep ring (``mgpu_st3``), with clusters of 4 (``mgpu_s4``), and the Triton decode.
 
 Shapes: Hq/Hkv 16/1 and 64/4, D 128, B decode tokens in 1/16/64/128, every request at context
 L in 8192/65536 with a random page permutation, 16 distinct selected blocks per (token, KV
@@ -129,7 +128,6 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
     "mgpu_s4": mgpu_fn(num_splits=4),
     "mgpu_st3": mgpu_fn(num_stages=3),
     "mgpu_global": mgpu_fn(exchange="global"),
-    **{f"mgpu_pf{n}": mgpu_fn(l2_prefetch=n) for n in (1, 2, 4, 16)},
     "triton": triton_fn,
 }
 

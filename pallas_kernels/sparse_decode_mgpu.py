@@ -185,10 +185,8 @@ def _merge_splits(num_splits, load_out, load_lse):
 
 
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
-                 num_cols, scale_log2, dtype, interpreting, pdl, exchange, approx_math,
-                 l2_prefetch):
+                 num_cols, scale_log2, dtype, interpreting, pdl, exchange, approx_math):
     s_, ns, d = num_splits, num_stages, head_dim
-    pf = 0 if interpreting else l2_prefetch  # a hint only: the interpreter skips it
     via_global = s_ > 1 and exchange == "global"
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
     rest = refs[8:]
@@ -253,16 +251,9 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             plgpu.copy_gmem_to_smem(kv_ref.at[page, h, :, pl.ds(part * d, d)], dst.at[slot],
                                     bar.at[slot])
 
-    def prefetch(i):
-        """Ask the L2 for my ``i``-th page (K and V, ``[128, 2D]``) ahead of its TMA copies."""
-        page, _ = lookup(c + i * s_)
-        plgpu.async_prefetch(kv_ref.at[page, h])
-
     with jax.named_scope("issue"):
         for i in range(ns):
             pl.when(i < n_mine)(functools.partial(issue, i, i))
-        for i in range(ns, min(ns + pf, TOPK)):
-            pl.when(i < n_mine)(functools.partial(prefetch, i))
     with jax.named_scope("q_wait"):
         plgpu.barrier_wait(qbar)
 
@@ -282,8 +273,6 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             st = pl.run_scoped(qk, plgpu.ACC((PAGE_SIZE, group), jnp.float32))
             # K of this slot is read: the next page's K streams from here on
             pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(0,)))
-            if pf:
-                pl.when(i + ns + pf < n_mine)(lambda: prefetch(i + ns + pf))
         with jax.named_scope("softmax"):  # over the keys: axis 0, across the warps
             key = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, group), 0,
                                          layout=plgpu.Layout.WGMMA)
@@ -423,10 +412,10 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
                                              "pdl", "approx_math", "exchange",
-                                             "l2_prefetch", "profile_dir"))
+                                             "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                        interpret=None, num_splits=None, num_stages=None, pdl=True,
-                       approx_math=True, exchange=None, l2_prefetch=0, profile_dir=None):
+                       approx_math=True, exchange=None, profile_dir=None):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
     :func:`pallas_kernels.sparse_decode.sparse_decode`.
 
@@ -452,9 +441,6 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         ``"cluster"``, stores into the merging CTA's shared memory (compiled only);
         ``"global"``, through global memory and a cluster barrier; ``None``:
         :func:`default_exchange` compiled, ``"global"`` interpreted.
-      l2_prefetch: pages a CTA asks the L2 for ahead of its ring (``cp.async.bulk.prefetch``
-        of a page's ``[128, 2D]``; a hint with no effect on results, skipped when
-        interpreted); 0: none.
       profile_dir: a directory: each call writes a Perfetto trace there of the kernel's named
         regions per CTA (Mosaic GPU's profiler; a debugging aid, compiled only).
     Returns:
@@ -492,9 +478,6 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         raise ValueError(f"{name}: num_stages {stages} with num_splits {splits}, D = {d}, a "
                          f"GQA group of {gp} rows and exchange {exchange!r} needs {need} bytes: "
                          f"more than {SMEM_BYTES} bytes of shared memory")
-    if not isinstance(l2_prefetch, int) or not 0 <= l2_prefetch <= TOPK:
-        raise ValueError(f"{name}: l2_prefetch must be an int in [0, {TOPK}], got "
-                         f"{l2_prefetch!r}")
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
 
@@ -538,7 +521,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
         num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
         interpreting=interpret is not None, pdl=bool(pdl), exchange=exchange,
-        approx_math=bool(approx_math), l2_prefetch=l2_prefetch)
+        approx_math=bool(approx_math))
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
     profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir) if profile_dir else {}
     params = plgpu.CompilerParams(approx_math=bool(approx_math), **profile)
