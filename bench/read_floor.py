@@ -4,14 +4,16 @@ after a flush whose dirty lines were already written back.
 The cold timer (``_common.time_jax``) runs each op right after a 512 MiB read-modify-write
 flush, so the L2 is full of dirty lines that DRAM takes back while the op reads. Per shape
 this times the Mosaic GPU decode (defaults; ``decode_empty``: the same call with every
-``kv_len`` 0, so it reads its metadata and writes zeros and no page; ``decode_ds2``:
-``dim_splits=2`` where it applies) and ``read`` (an XLA row sum over a bf16 array of exactly
+``kv_len`` 0, so it reads its metadata and writes zeros and no page) and ``read`` (an XLA row sum over a bf16 array of exactly
 the decode's bytes, ``[rows * 16, 128 * 2D]``, one page per row):
 - ``dirty``: the op as every bench times it;
 - ``clean``: (256 MiB read-only pass; op) minus the read-only pass alone, both through the
   same timer: the pass evicts the flush's dirty lines (their write-back falls in the pass), so
   the op reads into an L2 of clean lines.
 Each op's figure is the median of ``--trials`` samples of ``--reps`` calls.
+
+The twenty-fifth session's runs also timed ``decode_ds2`` (a ``dim_splits=2`` option of
+the kernel at 8b6fe0e, reverted after).
 
 Usage (GPU machine): python3 bench/read_floor.py --out results.json
   [--shapes 16/1/64/8192,...] [--reps 100] [--trials 4]
@@ -40,11 +42,6 @@ PASS_BYTES = 256 << 20  # the read-only pass: 5x the L2
 
 def decode(q, kv, sel, bt, req, lens):
     return sparse_decode_mgpu(q, kv, sel, bt, req, lens, scale=SCALE, interpret=False)
-
-
-def decode_ds2(q, kv, sel, bt, req, lens):
-    return sparse_decode_mgpu(q, kv, sel, bt, req, lens, scale=SCALE, interpret=False,
-                              num_splits=1, dim_splits=2)
 
 
 def read(x):
@@ -83,7 +80,7 @@ def main(argv=None) -> int:
     pbuf = jnp.ones((PASS_BYTES // 2,), jnp.bfloat16)
     t_pass = us(pass_only, (pbuf,), a.reps, a.trials)
     print(f"{result['device']}: read-only pass {t_pass:.1f} us", flush=True)
-    names = ("decode", "decode_empty", "decode_ds2", "read")
+    names = ("decode", "decode_empty", "read")
     print("| shape | rows | MiB | " + " | ".join(f"{n} dirty | {n} clean" for n in names) + " |")
     print("|---|---|---|" + "---|---|" * len(names))
     for sh in parse_shapes(a.shapes):
@@ -93,8 +90,6 @@ def main(argv=None) -> int:
         row = dict(shape=shape_id(sh), rows=rows, mib=x.nbytes / 2**20, pass_us=t_pass)
         empty = (*args[:5], jnp.zeros_like(args[5]))
         ops = [("decode", decode, args), ("decode_empty", decode, empty), ("read", read, (x,))]
-        if rows == 64:  # dim_splits=2: 128 CTAs
-            ops.append(("decode_ds2", decode_ds2, args))
         for name, fn, op_args in ops:
             row[f"{name}_dirty"] = us(fn, op_args, a.reps, a.trials)
             row[f"{name}_clean"] = us(after_pass(fn), (pbuf, *op_args), a.reps,

@@ -58,7 +58,6 @@ from pallas_kernels.sparse_decode import LN2, LOG2E, MASK, validate_inputs
 ROWS = 64  # the largest GQA group; the length of the published LSE rows and the lse staging
 SPLITS = (1, 2, 4, 8, 16)  # cluster sizes (16: a non-portable size, which Hopper allows)
 STAGES = (1, 2, 3)
-DIM_SPLITS = (1, 2)  # CTAs per row, each with its block of V's head dims (one split only)
 MAX_DEFAULT_STAGES = 2  # a 2-deep ring measured faster than a 3-deep one (bench/RESULTS.md)
 HEAD_DIMS = (64, 128)  # multiples of the 64-element (128-byte) swizzle tile; register budget
 SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
@@ -99,22 +98,18 @@ def merge_tasks(head_dim: int, group: int, num_splits: int) -> int:
 
 
 def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2,
-               group: int = ROWS, exchange: str = "global", dim_splits: int = 1) -> int:
+               group: int = ROWS, exchange: str = "global") -> int:
     """Shared memory of one CTA for a GQA group of ``group`` rows (a multiple of 8; default
     the largest): the K and V rings and P, Q, the output/LSE staging and a reserve, plus the
     split merge's buffers. ``exchange="global"``: the ring's memory is reused after the page
     loop (this split's state, then the S tiles of each of its merge tasks and the peers' LSE
     rows). ``"cluster"``: receive buffers of their own (peers write them while this CTA may
-    still be in its page loop): ``D / S`` head dims x ``group`` f32 and an LSE row per split.
-    ``dim_splits > 1`` (one split): V's ring holds ``D / dim_splits`` head dims, plus an
-    output staging of that width."""
-    dv = head_dim // dim_splits
-    ring = (num_stages * (head_dim + dv) * PAGE_SIZE * itemsize
-            + group * PAGE_SIZE * itemsize)
+    still be in its page loop): ``D / S`` head dims x ``group`` f32 and an LSE row per split."""
+    ring = num_stages * 2 * PAGE_SIZE * head_dim * itemsize + group * PAGE_SIZE * itemsize
     q = group * head_dim * itemsize
     fixed = q + ROWS * 4 + SMEM_RESERVE
     if num_splits == 1:
-        return ring + fixed + (group * dv * itemsize if dim_splits > 1 else 0)
+        return ring + fixed
     if exchange == "cluster":
         return ring + fixed + head_dim * group * 4 + num_splits * group * 4
     tiles = merge_tasks(head_dim, group, num_splits) * num_splits
@@ -190,10 +185,8 @@ def _merge_splits(num_splits, load_out, load_lse):
 
 
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
-                 num_cols, scale_log2, dtype, interpreting, pdl, exchange, approx_math,
-                 dim_splits):
+                 num_cols, scale_log2, dtype, interpreting, pdl, exchange, approx_math):
     s_, ns, d = num_splits, num_stages, head_dim
-    dv = d // dim_splits  # V's head dims that this CTA reads and writes
     via_global = s_ > 1 and exchange == "global"
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
     rest = refs[8:]
@@ -208,13 +201,10 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         k_smem, v_smem, pt_smem = ring
     if s_ > 1 and not via_global:  # every split's state of my head dims, and its LSE rows
         recv_out, recv_lse, mbar = rest[6:]
-    if dim_splits > 1:  # out [group, dv] of my head dims
-        (o_stage,) = rest[6:]
 
     t = lax.axis_index("t")
     h = lax.axis_index("h")
     c = lax.axis_index("c") if s_ > 1 else jnp.int32(0)
-    v = lax.axis_index("v") if dim_splits > 1 else jnp.int32(0)  # my block of V's head dims
 
     if pdl and not interpreting:  # launched early: wait for the previous kernel's writes
         with jax.named_scope("pdl_wait"):
@@ -257,11 +247,9 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         """TMA copies of my ``i``-th page into ``slot``: K (part 0) and/or V (part 1)."""
         page, _ = lookup(c + i * s_)
         for part in parts:
-            if part == 0:
-                src, dst, bar = kv_ref.at[page, h, :, pl.ds(0, d)], k_smem, kbar
-            else:
-                src, dst, bar = kv_ref.at[page, h, :, pl.ds(d + v * dv, dv)], v_smem, vbar
-            plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+            dst, bar = (k_smem, kbar) if part == 0 else (v_smem, vbar)
+            plgpu.copy_gmem_to_smem(kv_ref.at[page, h, :, pl.ds(part * d, d)], dst.at[slot],
+                                    bar.at[slot])
 
     with jax.named_scope("issue"):
         for i in range(ns):
@@ -302,9 +290,9 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         @pl.when(n_keys < PAGE_SIZE)
         def _zero_tail():  # keys past kv_len: V rows become 0 so that P V ignores them
             v_ref = v_smem.at[slot]
-            row = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, dv), 0,
+            row = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, d), 0,
                                          layout=plgpu.Layout.WGMMA)
-            v_ref[...] = jnp.where(row < n_keys, v_ref[...], jnp.zeros((PAGE_SIZE, dv), dtype))
+            v_ref[...] = jnp.where(row < n_keys, v_ref[...], jnp.zeros((PAGE_SIZE, d), dtype))
             plgpu.commit_smem()
 
         def pv(acc_ref):  # out^T += V^T P^T: the head dim on M, the group on N
@@ -314,30 +302,28 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
             if interpreting:  # the interpreter has no accumulator initialised from a value
                 acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1],
-                                          plgpu.ACC((dv, group), jnp.float32))
+                                          plgpu.ACC((d, group), jnp.float32))
             else:  # accumulate in place
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
         pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(1,)))  # V slot is free
         return acc, m_new, l_new
 
     col_layout = plgpu.Layout.WGMMA.reduce(0)
-    init = (plgpu.layout_cast(jnp.zeros((dv, group), jnp.float32), plgpu.Layout.WGMMA),
+    init = (plgpu.layout_cast(jnp.zeros((d, group), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((group,), MASK, jnp.float32), col_layout),
             plgpu.layout_cast(jnp.zeros((group,), jnp.float32), col_layout))
-    acc, m, l = lax.fori_loop(0, n_mine, step, init)  # acc^T [dv, group], m and l [group]
+    acc, m, l = lax.fori_loop(0, n_mine, step, init)  # acc^T [D, group], m and l [group]
     if pdl and not interpreting:  # the next kernel may start its prologue (it waits for us)
         plgpu.griddepcontrol_launch_dependents()
 
     if s_ == 1:
         with jax.named_scope("store"):
             out_t, lse2 = _normalise(acc, m, l)
-            stage = q_smem if dim_splits == 1 else o_stage  # Q is no longer read
-            stage.transpose((1, 0))[...] = out_t.astype(dtype)
+            q_smem.transpose((1, 0))[...] = out_t.astype(dtype)  # Q is no longer read
             lse_stage.at[pl.ds(0, group)][...] = lse2 * LN2
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stage, o_ref.at[t, h, :, pl.ds(v * dv, dv)])
-            pl.when(v == 0)(lambda: plgpu.copy_smem_to_gmem(lse_stage.at[pl.ds(0, group)],
-                                                             lse_ref.at[t, h]))
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[t, h])
+            plgpu.copy_smem_to_gmem(lse_stage.at[pl.ds(0, group)], lse_ref.at[t, h])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         return
 
@@ -426,10 +412,10 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
                                              "pdl", "approx_math", "exchange",
-                                             "dim_splits", "profile_dir"))
+                                             "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                        interpret=None, num_splits=None, num_stages=None, pdl=True,
-                       approx_math=True, exchange=None, dim_splits=1, profile_dir=None):
+                       approx_math=True, exchange=None, profile_dir=None):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
     :func:`pallas_kernels.sparse_decode.sparse_decode`.
 
@@ -455,10 +441,6 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         ``"cluster"``, stores into the merging CTA's shared memory (compiled only);
         ``"global"``, through global memory and a cluster barrier; ``None``:
         :func:`default_exchange` compiled, ``"global"`` interpreted.
-      dim_splits: CTAs per row that each read all of K and ``D / dim_splits`` of V's head
-        dims, and write those of the output (in {1, 2}; > 1 needs ``num_splits == 1`` and
-        ``D / dim_splits`` a multiple of 64): a row's K is read by each of them (the second
-        read mostly from L2), its V once.
       profile_dir: a directory: each call writes a Perfetto trace there of the kernel's named
         regions per CTA (Mosaic GPU's profiler; a debugging aid, compiled only).
     Returns:
@@ -481,11 +463,6 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     stages = default_stages(d, splits, t * hkv) if num_stages is None else num_stages
     if stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
-    if dim_splits not in DIM_SPLITS:
-        raise ValueError(f"{name}: dim_splits must be one of {DIM_SPLITS}, got {dim_splits}")
-    if dim_splits > 1 and (splits != 1 or (d // dim_splits) % 64):
-        raise ValueError(f"{name}: dim_splits {dim_splits} needs num_splits 1 (got {splits}) "
-                         f"and D / dim_splits a multiple of 64 (D = {d})")
     gp = padded_rows(hq, hkv)
     interpret = mosaic_interpret_params(interpret, inline_mgpu="ignore")  # skips inline fences
     if exchange is None:
@@ -496,7 +473,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     if exchange == "cluster" and interpret is not None:
         raise ValueError(f"{name}: exchange 'cluster' needs the compiled kernel (interpret "
                          f"mode has no stores into a peer CTA's shared memory)")
-    need = smem_bytes(d, stages, splits, group=gp, exchange=exchange, dim_splits=dim_splits)
+    need = smem_bytes(d, stages, splits, group=gp, exchange=exchange)
     if need > SMEM_BYTES:
         raise ValueError(f"{name}: num_stages {stages} with num_splits {splits}, D = {d}, a "
                          f"GQA group of {gp} rows and exchange {exchange!r} needs {need} bytes: "
@@ -515,7 +492,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         out_type += [jax.ShapeDtypeStruct((t, hkv, splits, d, gp), jnp.float32),
                      jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32)]
     ring = (plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # K ring
-            plgpu.SMEM((stages, PAGE_SIZE, d // dim_splits), q.dtype, transforms=_TILE),  # V
+            plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # V ring
             plgpu.SMEM((gp, PAGE_SIZE), q.dtype, transforms=_TILE))         # P
     if via_global:  # after the page loop: this split's state, then the peers' tiles and LSE
         ring = plgpu.RefUnion(
@@ -540,21 +517,16 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         scratch += [plgpu.SMEM((splits, d // splits, gp), jnp.float32),
                     plgpu.SMEM((splits, gp), jnp.float32),
                     plgpu.SMEM((2,), jnp.int32)]  # the receive barrier (an mbarrier)
-    if dim_splits > 1:  # out [group, dv]
-        scratch.append(plgpu.SMEM((gp, d // dim_splits), q.dtype, transforms=_TILE))
     body = functools.partial(
         _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
         num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
         interpreting=interpret is not None, pdl=bool(pdl), exchange=exchange,
-        approx_math=bool(approx_math), dim_splits=dim_splits)
-    grid = dict(grid=(t, hkv), grid_names=("t", "h"))
-    if dim_splits > 1:
-        grid = dict(grid=(t, hkv, dim_splits), grid_names=("t", "h", "v"))
+        approx_math=bool(approx_math))
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
     profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir) if profile_dir else {}
     params = plgpu.CompilerParams(approx_math=bool(approx_math), **profile)
     outs = plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, **grid,
+        body, out_type=out_type, scratch_types=scratch, grid=(t, hkv), grid_names=("t", "h"),
         interpret=interpret, kernel_name="msa_sparse_decode_mgpu", compiler_params=params,
         **cluster)(req_indices, kv_lens, selected, block_table, qg, kv_cache)
     o, lse = outs[0], outs[1]
