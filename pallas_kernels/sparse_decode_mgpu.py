@@ -59,6 +59,7 @@ ROWS = 64  # the largest GQA group; the length of the published LSE rows and the
 SPLITS = (1, 2, 4, 8, 16)  # cluster sizes (16: a non-portable size, which Hopper allows)
 STAGES = (1, 2, 3)
 WARPGROUPS = (1, 2)  # consumer warpgroups per CTA, each with its share of every page's keys
+REDUCE_SCRATCH = 512  # f32 elements of a warpgroup's own cross-warp reduction scratch
 MAX_DEFAULT_STAGES = 2  # a 2-deep ring measured faster than a 3-deep one (bench/RESULTS.md)
 HEAD_DIMS = (64, 128)  # multiples of the 64-element (128-byte) swizzle tile; register budget
 SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
@@ -110,7 +111,8 @@ def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 
     q = group * head_dim * itemsize
     fixed = q + ROWS * 4 + SMEM_RESERVE
     if num_splits == 1:  # warpgroups > 1: the other warpgroups' states, merged by the first
-        return ring + fixed + (warpgroups - 1) * (head_dim * group * 4 + 2 * group * 4)
+        return ring + fixed + (warpgroups - 1) * (head_dim * group * 4 + 2 * group * 4
+                                                  + 2 * REDUCE_SCRATCH * 4)
     if exchange == "cluster":
         return ring + fixed + head_dim * group * 4 + num_splits * group * 4
     tiles = merge_tasks(head_dim, group, num_splits) * num_splits
@@ -156,6 +158,19 @@ def _cluster_fence(_ctx):
     orders the following loads after the peers' stores."""
     mgpu_utils.inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
     mgpu_utils.warpgroup_barrier()
+
+
+def _column_reduce(op: str, group: int):
+    """``x [rows, group]`` f32 (WGMMA layout), ``scratch [REDUCE_SCRATCH]`` f32 (shared memory)
+    -> ``op`` (``"max"`` or ``"add"``) over axis 0, ``[group]``. The reduction Pallas lowers
+    for ``x.max(axis=0)`` crosses warps through one scratch region per kernel, which two
+    warpgroups would share; this one takes the calling warpgroup's own."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((group,), jnp.float32,
+                                                          plgpu.Layout.WGMMA.reduce(0)))
+    def reduce(_ctx, x, scratch):
+        return x.reduce(op, 0, scratch=scratch)
+    return reduce
 
 
 def _normalise(acc_t, m, l):
@@ -204,8 +219,8 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         k_smem, v_smem, pt_smem = ring
     if s_ > 1 and not via_global:  # every split's state of my head dims, and its LSE rows
         recv_out, recv_lse, mbar = rest[6:]
-    if nw > 1:  # warpgroup 1's state (acc^T, then m and l) and the barrier that hands it over
-        wg_acc, wg_ml, wg_bar = rest[6:]
+    if nw > 1:  # warpgroup 1's state (acc^T, then m and l), the barrier that hands it over,
+        wg_acc, wg_ml, wg_bar, wg_red = rest[6:]  # and each warpgroup's reduction scratch
 
     t = lax.axis_index("t")
     h = lax.axis_index("h")
@@ -265,6 +280,12 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     with jax.named_scope("q_wait"):
         plgpu.barrier_wait(qbar)
 
+    if nw > 1 and not interpreting:  # each warpgroup's own scratch (_column_reduce)
+        col_max = lambda x: _column_reduce("max", group)(x, wg_red.at[wg])  # noqa: E731
+        col_sum = lambda x: _column_reduce("add", group)(x, wg_red.at[wg])  # noqa: E731
+    else:
+        col_max, col_sum = (lambda x: x.max(axis=0)), (lambda x: x.sum(axis=0))
+
     def step(i, carry):
         acc, m, l = carry
         slot = lax.rem(i, ns)
@@ -284,10 +305,10 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         with jax.named_scope("softmax"):  # over the keys: axis 0, across the warps
             key = plgpu.broadcasted_iota(jnp.int32, (kh, group), 0, layout=plgpu.Layout.WGMMA)
             st = jnp.where(key < n_keys, st * scale_log2, MASK)
-            m_new = jnp.maximum(m, st.max(axis=0))
+            m_new = jnp.maximum(m, col_max(st))
             alpha = jnp.exp2(m - m_new)
             pt = jnp.exp2(st - lax.broadcast_in_dim(m_new, st.shape, [1]))
-            l_new = alpha * l + pt.sum(axis=0)
+            l_new = alpha * l + col_sum(pt)
         with jax.named_scope("p_store"):  # P [group, 128]: P V's B operand, read transposed
             pt_smem.at[wg].transpose((1, 0))[...] = pt.astype(dtype)
             plgpu.commit_smem()
@@ -555,7 +576,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
                     plgpu.SMEM((2,), jnp.int32)]  # the receive barrier (an mbarrier)
     if nw > 1:  # warpgroup 1's acc^T, m and l, and the barrier it arrives at
         scratch += [plgpu.SMEM((d, gp), jnp.float32), plgpu.SMEM((2, gp), jnp.float32),
-                    plgpu.Barrier()]
+                    plgpu.Barrier(), plgpu.SMEM((nw, REDUCE_SCRATCH), jnp.float32)]
     body = functools.partial(
         _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
         num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
