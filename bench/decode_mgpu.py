@@ -128,9 +128,6 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
     "mgpu_s4": mgpu_fn(num_splits=4),
     "mgpu_st3": mgpu_fn(num_stages=3),
     "mgpu_global": mgpu_fn(exchange="global"),
-    "mgpu_s1": mgpu_fn(num_splits=1),
-    "mgpu_wg2": mgpu_fn(num_splits=1, warpgroups=2),
-    "mgpu_wg2_st3": mgpu_fn(num_splits=1, num_stages=3, warpgroups=2),
     "triton": triton_fn,
 }
 

@@ -58,8 +58,6 @@ from pallas_kernels.sparse_decode import LN2, LOG2E, MASK, validate_inputs
 ROWS = 64  # the largest GQA group; the length of the published LSE rows and the lse staging
 SPLITS = (1, 2, 4, 8, 16)  # cluster sizes (16: a non-portable size, which Hopper allows)
 STAGES = (1, 2, 3)
-WARPGROUPS = (1, 2)  # consumer warpgroups per CTA, each with its share of every page's keys
-REDUCE_SCRATCH = 512  # f32 elements of a warpgroup's own cross-warp reduction scratch
 MAX_DEFAULT_STAGES = 2  # a 2-deep ring measured faster than a 3-deep one (bench/RESULTS.md)
 HEAD_DIMS = (64, 128)  # multiples of the 64-element (128-byte) swizzle tile; register budget
 SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
@@ -100,7 +98,7 @@ def merge_tasks(head_dim: int, group: int, num_splits: int) -> int:
 
 
 def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2,
-               group: int = ROWS, exchange: str = "global", warpgroups: int = 1) -> int:
+               group: int = ROWS, exchange: str = "global") -> int:
     """Shared memory of one CTA for a GQA group of ``group`` rows (a multiple of 8; default
     the largest): the K and V rings and P, Q, the output/LSE staging and a reserve, plus the
     split merge's buffers. ``exchange="global"``: the ring's memory is reused after the page
@@ -110,9 +108,8 @@ def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 
     ring = num_stages * 2 * PAGE_SIZE * head_dim * itemsize + group * PAGE_SIZE * itemsize
     q = group * head_dim * itemsize
     fixed = q + ROWS * 4 + SMEM_RESERVE
-    if num_splits == 1:  # warpgroups > 1: the other warpgroups' states, merged by the first
-        return ring + fixed + (warpgroups - 1) * (head_dim * group * 4 + 2 * group * 4
-                                                  + 2 * REDUCE_SCRATCH * 4)
+    if num_splits == 1:
+        return ring + fixed
     if exchange == "cluster":
         return ring + fixed + head_dim * group * 4 + num_splits * group * 4
     tiles = merge_tasks(head_dim, group, num_splits) * num_splits
@@ -160,19 +157,6 @@ def _cluster_fence(_ctx):
     mgpu_utils.warpgroup_barrier()
 
 
-def _column_reduce(op: str, group: int):
-    """``x [rows, group]`` f32 (WGMMA layout), ``scratch [REDUCE_SCRATCH]`` f32 (shared memory)
-    -> ``op`` (``"max"`` or ``"add"``) over axis 0, ``[group]``. The reduction Pallas lowers
-    for ``x.max(axis=0)`` crosses warps through one scratch region per kernel, which two
-    warpgroups would share; this one takes the calling warpgroup's own."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
-                       return_type=plgpu.ShapeDtypeStruct((group,), jnp.float32,
-                                                          plgpu.Layout.WGMMA.reduce(0)))
-    def reduce(_ctx, x, scratch):
-        return x.reduce(op, 0, scratch=scratch)
-    return reduce
-
-
 def _normalise(acc_t, m, l):
     """(out^T, lse2) of an unnormalised state: ``acc_t [D', G]`` f32 divided by ``l [G]``,
     ``lse2 = m + log2 l`` (base 2). ``l == 0`` only for a row with no visible key (acc is 0
@@ -201,10 +185,8 @@ def _merge_splits(num_splits, load_out, load_lse):
 
 
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
-                 num_cols, scale_log2, dtype, interpreting, pdl, exchange, approx_math,
-                 warpgroups):
-    s_, ns, d, nw = num_splits, num_stages, head_dim, warpgroups
-    kh = PAGE_SIZE // nw  # keys of each page that one warpgroup takes
+                 num_cols, scale_log2, dtype, interpreting, pdl, exchange, approx_math):
+    s_, ns, d = num_splits, num_stages, head_dim
     via_global = s_ > 1 and exchange == "global"
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
     rest = refs[8:]
@@ -219,20 +201,16 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
         k_smem, v_smem, pt_smem = ring
     if s_ > 1 and not via_global:  # every split's state of my head dims, and its LSE rows
         recv_out, recv_lse, mbar = rest[6:]
-    if nw > 1:  # warpgroup 1's state (acc^T, then m and l), the barrier that hands it over,
-        wg_acc, wg_ml, wg_bar, wg_red = rest[6:]  # and each warpgroup's reduction scratch
 
     t = lax.axis_index("t")
     h = lax.axis_index("h")
     c = lax.axis_index("c") if s_ > 1 else jnp.int32(0)
-    wg = lax.axis_index("wg") if nw > 1 else 0  # my keys of a page: [wg * kh, (wg + 1) * kh)
-    bar_at = (lambda slot: slot) if nw == 1 else (lambda slot: slot * nw + wg)
 
     if pdl and not interpreting:  # launched early: wait for the previous kernel's writes
         with jax.named_scope("pdl_wait"):
             plgpu.griddepcontrol_wait()
     # Q: the group's rows, zero-padded to a multiple of 8 (independent of the metadata)
-    pl.when(wg == 0)(lambda: plgpu.copy_gmem_to_smem(q_ref.at[t, h], q_smem, qbar))
+    plgpu.copy_gmem_to_smem(q_ref.at[t, h], q_smem, qbar)
     if s_ > 1 and not via_global:
         cluster_exchange.init_receive_barrier(mbar)
 
@@ -266,13 +244,12 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     n_mine = jnp.maximum(n_valid - c + s_ - 1, 0) // s_  # my ranks: c, c + S, ...
 
     def issue(i, slot, parts=(0, 1)):
-        """TMA copies of my keys of my ``i``-th page into ``slot``: K (part 0) and/or V
-        (part 1)."""
+        """TMA copies of my ``i``-th page into ``slot``: K (part 0) and/or V (part 1)."""
         page, _ = lookup(c + i * s_)
         for part in parts:
             dst, bar = (k_smem, kbar) if part == 0 else (v_smem, vbar)
-            plgpu.copy_gmem_to_smem(kv_ref.at[page, h, pl.ds(wg * kh, kh), pl.ds(part * d, d)],
-                                    dst.at[slot, wg], bar.at[bar_at(slot)])
+            plgpu.copy_gmem_to_smem(kv_ref.at[page, h, :, pl.ds(part * d, d)], dst.at[slot],
+                                    bar.at[slot])
 
     with jax.named_scope("issue"):
         for i in range(ns):
@@ -280,51 +257,46 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     with jax.named_scope("q_wait"):
         plgpu.barrier_wait(qbar)
 
-    if nw > 1 and not interpreting:  # each warpgroup's own scratch (_column_reduce)
-        col_max = lambda x: _column_reduce("max", group)(x, wg_red.at[wg])  # noqa: E731
-        col_sum = lambda x: _column_reduce("add", group)(x, wg_red.at[wg])  # noqa: E731
-    else:
-        col_max, col_sum = (lambda x: x.max(axis=0)), (lambda x: x.sum(axis=0))
-
     def step(i, carry):
         acc, m, l = carry
         slot = lax.rem(i, ns)
         _, blk = lookup(c + i * s_)
-        n_keys = jnp.clip(kv_len - blk * PAGE_SIZE - wg * kh, 0, kh)  # of my keys
+        n_keys = jnp.clip(kv_len - blk * PAGE_SIZE, 0, PAGE_SIZE)
         with jax.named_scope("k_wait"):
-            plgpu.barrier_wait(kbar.at[bar_at(slot)])
+            plgpu.barrier_wait(kbar.at[slot])
 
         def qk(acc_ref):  # S^T = K Q^T: keys on the wgmma's M, the group on its N
-            plgpu.wgmma(acc_ref, k_smem.at[slot, wg], q_smem.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.transpose((1, 0)))
             return acc_ref[...]
 
         with jax.named_scope("qk_dot"):
-            st = pl.run_scoped(qk, plgpu.ACC((kh, group), jnp.float32))
+            st = pl.run_scoped(qk, plgpu.ACC((PAGE_SIZE, group), jnp.float32))
             # K of this slot is read: the next page's K streams from here on
             pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(0,)))
         with jax.named_scope("softmax"):  # over the keys: axis 0, across the warps
-            key = plgpu.broadcasted_iota(jnp.int32, (kh, group), 0, layout=plgpu.Layout.WGMMA)
+            key = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, group), 0,
+                                         layout=plgpu.Layout.WGMMA)
             st = jnp.where(key < n_keys, st * scale_log2, MASK)
-            m_new = jnp.maximum(m, col_max(st))
+            m_new = jnp.maximum(m, st.max(axis=0))
             alpha = jnp.exp2(m - m_new)
             pt = jnp.exp2(st - lax.broadcast_in_dim(m_new, st.shape, [1]))
-            l_new = alpha * l + col_sum(pt)
+            l_new = alpha * l + pt.sum(axis=0)
         with jax.named_scope("p_store"):  # P [group, 128]: P V's B operand, read transposed
-            pt_smem.at[wg].transpose((1, 0))[...] = pt.astype(dtype)
+            pt_smem.transpose((1, 0))[...] = pt.astype(dtype)
             plgpu.commit_smem()
         with jax.named_scope("v_wait"):
-            plgpu.barrier_wait(vbar.at[bar_at(slot)])
+            plgpu.barrier_wait(vbar.at[slot])
 
-        @pl.when(n_keys < kh)
+        @pl.when(n_keys < PAGE_SIZE)
         def _zero_tail():  # keys past kv_len: V rows become 0 so that P V ignores them
-            v_ref = v_smem.at[slot, wg]
-            row = plgpu.broadcasted_iota(jnp.int32, (kh, d), 0, layout=plgpu.Layout.WGMMA)
-            v_ref[...] = jnp.where(row < n_keys, v_ref[...], jnp.zeros((kh, d), dtype))
+            v_ref = v_smem.at[slot]
+            row = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, d), 0,
+                                         layout=plgpu.Layout.WGMMA)
+            v_ref[...] = jnp.where(row < n_keys, v_ref[...], jnp.zeros((PAGE_SIZE, d), dtype))
             plgpu.commit_smem()
 
         def pv(acc_ref):  # out^T += V^T P^T: the head dim on M, the group on N
-            plgpu.wgmma(acc_ref, v_smem.at[slot, wg].transpose((1, 0)),
-                        pt_smem.at[wg].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, v_smem.at[slot].transpose((1, 0)), pt_smem.transpose((1, 0)))
 
         with jax.named_scope("pv"):
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
@@ -343,30 +315,9 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     acc, m, l = lax.fori_loop(0, n_mine, step, init)  # acc^T [D, group], m and l [group]
     if pdl and not interpreting:  # the next kernel may start its prologue (it waits for us)
         plgpu.griddepcontrol_launch_dependents()
-    if nw > 1:  # warpgroup 1 hands its state to warpgroup 0, which merges and goes on alone
-        with jax.named_scope("wg_merge"):
-            @pl.when(wg == 1)
-            def _hand_over():
-                wg_acc[...] = acc
-                wg_ml.at[0][...] = m
-                wg_ml.at[1][...] = l
-                plgpu.barrier_arrive(wg_bar)
-
-            plgpu.barrier_wait(wg_bar)
-            col = plgpu.Layout.WGMMA.reduce(0)
-            m1 = plgpu.load(wg_ml.at[0], layout=col, optimized=False)
-            l1 = plgpu.load(wg_ml.at[1], layout=col, optimized=False)
-            acc1 = plgpu.load(wg_acc, layout=plgpu.Layout.WGMMA, optimized=False)
-            m_new = jnp.maximum(m, m1)
-            a0, a1 = jnp.exp2(m - m_new), jnp.exp2(m1 - m_new)
-            acc = (acc * lax.broadcast_in_dim(a0, acc.shape, [1])
-                   + acc1 * lax.broadcast_in_dim(a1, acc.shape, [1]))
-            m, l = m_new, l * a0 + l1 * a1
 
     if s_ == 1:
-        @pl.when(wg == 0)
-        @jax.named_scope("store")
-        def _store_out():
+        with jax.named_scope("store"):
             out_t, lse2 = _normalise(acc, m, l)
             q_smem.transpose((1, 0))[...] = out_t.astype(dtype)  # Q is no longer read
             lse_stage.at[pl.ds(0, group)][...] = lse2 * LN2
@@ -461,10 +412,10 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
                                              "pdl", "approx_math", "exchange",
-                                             "warpgroups", "profile_dir"))
+                                             "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                        interpret=None, num_splits=None, num_stages=None, pdl=True,
-                       approx_math=True, exchange=None, warpgroups=1, profile_dir=None):
+                       approx_math=True, exchange=None, profile_dir=None):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
     :func:`pallas_kernels.sparse_decode.sparse_decode`.
 
@@ -490,9 +441,6 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         ``"cluster"``, stores into the merging CTA's shared memory (compiled only);
         ``"global"``, through global memory and a cluster barrier; ``None``:
         :func:`default_exchange` compiled, ``"global"`` interpreted.
-      warpgroups: consumer warpgroups per CTA (in {1, 2}; 2 needs ``num_splits == 1``):
-        warpgroup ``w`` streams keys ``[64 w, 64 w + 64)`` of every page through its own
-        ring slots with its own online softmax; the first merges the states in shared memory.
       profile_dir: a directory: each call writes a Perfetto trace there of the kernel's named
         regions per CTA (Mosaic GPU's profiler; a debugging aid, compiled only).
     Returns:
@@ -515,10 +463,6 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     stages = default_stages(d, splits, t * hkv) if num_stages is None else num_stages
     if stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
-    if warpgroups not in WARPGROUPS:
-        raise ValueError(f"{name}: warpgroups must be one of {WARPGROUPS}, got {warpgroups}")
-    if warpgroups > 1 and splits != 1:
-        raise ValueError(f"{name}: warpgroups {warpgroups} needs num_splits 1, got {splits}")
     gp = padded_rows(hq, hkv)
     interpret = mosaic_interpret_params(interpret, inline_mgpu="ignore")  # skips inline fences
     if exchange is None:
@@ -529,7 +473,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     if exchange == "cluster" and interpret is not None:
         raise ValueError(f"{name}: exchange 'cluster' needs the compiled kernel (interpret "
                          f"mode has no stores into a peer CTA's shared memory)")
-    need = smem_bytes(d, stages, splits, group=gp, exchange=exchange, warpgroups=warpgroups)
+    need = smem_bytes(d, stages, splits, group=gp, exchange=exchange)
     if need > SMEM_BYTES:
         raise ValueError(f"{name}: num_stages {stages} with num_splits {splits}, D = {d}, a "
                          f"GQA group of {gp} rows and exchange {exchange!r} needs {need} bytes: "
@@ -547,10 +491,9 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     if via_global:  # the splits' states: out^T [D, group] f32 and the base-2 LSE
         out_type += [jax.ShapeDtypeStruct((t, hkv, splits, d, gp), jnp.float32),
                      jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32)]
-    nw, kh = warpgroups, PAGE_SIZE // warpgroups  # slot [w]: warpgroup w's keys of a page
-    ring = (plgpu.SMEM((stages, nw, kh, d), q.dtype, transforms=_TILE),  # K ring
-            plgpu.SMEM((stages, nw, kh, d), q.dtype, transforms=_TILE),  # V ring
-            plgpu.SMEM((nw, gp, kh), q.dtype, transforms=_TILE))         # P
+    ring = (plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # K ring
+            plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # V ring
+            plgpu.SMEM((gp, PAGE_SIZE), q.dtype, transforms=_TILE))         # P
     if via_global:  # after the page loop: this split's state, then the peers' tiles and LSE
         ring = plgpu.RefUnion(
             ring, (plgpu.SMEM((d, gp), jnp.float32), plgpu.SMEM((gp,), jnp.float32)),
@@ -560,8 +503,8 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         plgpu.SMEM((gp, d), q.dtype, transforms=_TILE),                     # Q, then out (S=1)
         ring,
         plgpu.SMEM((ROWS,), jnp.float32),                                   # lse staging
-        plgpu.Barrier(num_barriers=stages * nw),
-        plgpu.Barrier(num_barriers=stages * nw),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(),
     ]
     if via_global:
@@ -574,22 +517,18 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         scratch += [plgpu.SMEM((splits, d // splits, gp), jnp.float32),
                     plgpu.SMEM((splits, gp), jnp.float32),
                     plgpu.SMEM((2,), jnp.int32)]  # the receive barrier (an mbarrier)
-    if nw > 1:  # warpgroup 1's acc^T, m and l, and the barrier it arrives at
-        scratch += [plgpu.SMEM((d, gp), jnp.float32), plgpu.SMEM((2, gp), jnp.float32),
-                    plgpu.Barrier(), plgpu.SMEM((nw, REDUCE_SCRATCH), jnp.float32)]
     body = functools.partial(
         _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
         num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
         interpreting=interpret is not None, pdl=bool(pdl), exchange=exchange,
-        approx_math=bool(approx_math), warpgroups=nw)
-    threads = dict(num_threads=nw, thread_name="wg") if nw > 1 else {}
+        approx_math=bool(approx_math))
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
     profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir) if profile_dir else {}
     params = plgpu.CompilerParams(approx_math=bool(approx_math), **profile)
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(t, hkv), grid_names=("t", "h"),
         interpret=interpret, kernel_name="msa_sparse_decode_mgpu", compiler_params=params,
-        **cluster, **threads)(req_indices, kv_lens, selected, block_table, qg, kv_cache)
+        **cluster)(req_indices, kv_lens, selected, block_table, qg, kv_cache)
     o, lse = outs[0], outs[1]
     return o[:, :, :g].reshape(t, hq, d), lse[:, :, :g].reshape(t, hq)
 

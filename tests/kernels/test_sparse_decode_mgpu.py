@@ -51,21 +51,20 @@ TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 output, P rounded to bf16 before P V
 
 
 def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first,
-                            approx_math=True, exchange=None, warpgroups=1):
+                            approx_math=True, exchange=None):
     """Kernel vs reference on one fresh batch; raises AssertionError naming the seed."""
     args, _ = build_batch(seed, hq=hq, hkv=hkv, d=d, long_first=long_first)
     args = tuple(jnp.asarray(a) for a in args)
     scale = d ** -0.5
     out, lse = sparse_decode_mgpu(*args, scale=scale, num_splits=num_splits,
                                   num_stages=num_stages, approx_math=approx_math,
-                                  exchange=exchange, warpgroups=warpgroups)
+                                  exchange=exchange)
     ref_out, ref_lse = sparse_decode_reference(*args, scale=scale)
     t = args[0].shape[0]
     chex.assert_shape((out, lse), ((t, hq, d), (t, hq)))
     assert out.dtype == args[0].dtype and lse.dtype == jnp.float32
     chex.assert_tree_all_finite(out)
-    msg = (f"seed {seed}, splits {num_splits}, stages {num_stages}, exchange {exchange}, "
-           f"warpgroups {warpgroups}")
+    msg = f"seed {seed}, splits {num_splits}, stages {num_stages}, exchange {exchange}"
     assert float(jnp.max(jnp.abs(out.astype(jnp.float32)))) < 0.1 * POISON_V, \
         f"poison page read ({msg})"
     try:
@@ -119,14 +118,6 @@ def test_non_default_exchange(hq, hkv, d, num_splits, num_stages, long_first):
     with pytest.raises(ValueError, match="exchange 'cluster' needs the compiled kernel"):
         check_matches_reference(fresh_seed(), hq, hkv, d, num_splits, num_stages, long_first,
                                 exchange="cluster")
-
-
-@pytest.mark.parametrize("hq,hkv,d,num_stages,long_first", [(16, 1, 128, 2, False),
-                                                            (64, 4, 128, 2, True),
-                                                            (12, 2, 64, 1, False)])
-def test_two_warpgroups_match_reference(hq, hkv, d, num_stages, long_first):
-    """Two consumer warpgroups per CTA, each with half of every page's keys (one split)."""
-    check_matches_reference(fresh_seed(), hq, hkv, d, 1, num_stages, long_first, warpgroups=2)
 
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", BIG_CLUSTERS)
@@ -215,8 +206,6 @@ def _specs(t, hq, hkv, d=128, *, pages=4096, rows=128, cols=512, dtype=jnp.bfloa
     (dict(exchange="dsmem"), "exchange must be one of", ValueError),
     (dict(hq=64, num_splits=2, num_stages=3, exchange="cluster"),
      "exchange 'cluster' needs [0-9]+ bytes", ValueError),
-    (dict(warpgroups=3), "warpgroups must be one of", ValueError),
-    (dict(warpgroups=2, num_splits=2), "warpgroups 2 needs num_splits 1", ValueError),
 ])
 def test_rejects_unsupported_arguments(kw, match, exc):
     d, dtype, hq = kw.pop("d", 128), kw.pop("dtype", jnp.bfloat16), kw.pop("hq", 16)
@@ -306,13 +295,6 @@ def test_lowers_for_h200_as_one_kernel(hq, hkv, batch):
 def test_tunables_lower_for_h200(num_splits, num_stages):
     text = lower_for_cuda(sparse_decode_mgpu, *_specs(16, 64, 4), scale=1.0, interpret=False,
                           num_splits=num_splits, num_stages=num_stages)
-    assert len(_mosaic_calls(text)) == 1
-
-
-@pytest.mark.parametrize("hq,hkv,batch", [(16, 1, 16), (64, 4, 16)])
-def test_two_warpgroups_lower_for_h200(hq, hkv, batch):
-    text = lower_for_cuda(sparse_decode_mgpu, *_specs(batch, hq, hkv), scale=1.0,
-                          interpret=False, num_splits=1, warpgroups=2)
     assert len(_mosaic_calls(text)) == 1
 
 
