@@ -3,17 +3,14 @@ after a flush whose dirty lines were already written back.
 
 The cold timer (``_common.time_jax``) runs each op right after a 512 MiB read-modify-write
 flush, so the L2 is full of dirty lines that DRAM takes back while the op reads. Per shape
-this times the Mosaic GPU decode (defaults; ``decode_empty``: the same call with every
-``kv_len`` 0, so it reads its metadata and writes zeros and no page) and ``read`` (an XLA row sum over a bf16 array of exactly
-the decode's bytes, ``[rows * 16, 128 * 2D]``, one page per row):
+this times the Mosaic GPU decode (defaults), ``decode_empty`` (the same call with every
+``kv_len`` 0: it reads its metadata and writes zeros, no page) and ``read`` (an XLA row sum
+over a bf16 array of exactly the decode's bytes, ``[rows * 16, 128 * 2D]``, a page per row):
 - ``dirty``: the op as every bench times it;
 - ``clean``: (256 MiB read-only pass; op) minus the read-only pass alone, both through the
   same timer: the pass evicts the flush's dirty lines (their write-back falls in the pass), so
   the op reads into an L2 of clean lines.
 Each op's figure is the median of ``--trials`` samples of ``--reps`` calls.
-
-The twenty-fifth session's runs also timed ``decode_ds2`` (a ``dim_splits=2`` option of
-the kernel at 8b6fe0e, reverted after).
 
 Usage (GPU machine): python3 bench/read_floor.py --out results.json
   [--shapes 16/1/64/8192,...] [--reps 100] [--trials 4]
@@ -95,8 +92,7 @@ def main(argv=None) -> int:
             row[f"{name}_clean"] = us(after_pass(fn), (pbuf, *op_args), a.reps,
                                       a.trials) - t_pass
         result["rows"].append(row)
-        cells = [f"{row[f'{n}_{c}']:.1f}" if f"{n}_{c}" in row else "-"
-                 for n in names for c in ("dirty", "clean")]
+        cells = [f"{row[f'{n}_{c}']:.1f}" for n in names for c in ("dirty", "clean")]
         print(f"| {row['shape']} | {rows} | {row['mib']:.1f} | " + " | ".join(cells) + " |",
               flush=True)
         with open(a.out, "w") as f:

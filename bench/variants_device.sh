@@ -2,8 +2,8 @@
 # One H200 device call: `bench/decode_mgpu.py` variants timed at a few shapes, twice, the
 # second run in reverse variant order (same-run comparisons; the two runs bound the drift).
 # Optionally first the compiled kernel tests matching TESTS (a pytest -k expression).
-# Usage (device tool, any directory): NAME=x VARIANTS=mgpu,mgpu_ds2 SHAPES=16/1/64/8192,...
-#   [TESTS='dim_splits'] bash bench/variants_device.sh
+# Usage (device tool, any directory): NAME=x VARIANTS=mgpu,mgpu_st3 SHAPES=16/1/64/8192,...
+#   [TESTS=sparse_decode_mgpu] [REPS=100 TRIALS=4] bash bench/variants_device.sh
 # Writes $OUT/NAME_{a,b}.{json,log} (and $OUT/NAME_tests.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
