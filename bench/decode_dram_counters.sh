@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 device call: Nsight Compute's DRAM and L2 counters of the Mosaic GPU decode's kernel
 # (default 2-deep ring and the 3-deep one) and of the Triton decode, at the shapes given.
-# Usage (device tool, repository root): bash bench/decode_dram_counters.sh [shapes]
+# Usage (device tool, any directory): bash bench/decode_dram_counters.sh [shapes]
 # Each op runs twice per shape (mgpu, mgpu_st3, triton in that order; ncu flushes the caches
 # before each profiled launch). Writes $OUT/dram_counters.csv (raw page), dram_counters_run.log
 # and prints one line per profiled launch (duration, DRAM bytes read, read rate, % of peak).

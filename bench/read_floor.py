@@ -25,41 +25,36 @@ import time
 import _common  # noqa: F401  (imported first for its preamble)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _common import positive_int, time_jax  # noqa: E402
+from _common import positive_int  # noqa: E402
 
-from decode_mgpu import SCALE, make_inputs, parse_shapes, shape_id  # noqa: E402
+from decode_mgpu import make_inputs, mgpu_fn, parse_shapes, shape_id, time_op  # noqa: E402
 from _shapes_inputs import HEAD_DIM  # noqa: E402
 from pallas_kernels import PAGE_SIZE, TOPK  # noqa: E402
-from pallas_kernels.sparse_decode_mgpu import sparse_decode_mgpu  # noqa: E402
 
 DEFAULT_SHAPES = ("16/1/1/8192,64/4/1/65536,16/1/16/8192,16/1/64/8192,64/4/16/8192,"
                   "16/1/128/8192,64/4/64/8192")
 PASS_BYTES = 256 << 20  # the read-only pass: 5x the L2
 
 
-def decode(q, kv, sel, bt, req, lens):
-    return sparse_decode_mgpu(q, kv, sel, bt, req, lens, scale=SCALE, interpret=False)
-
-
 def read(x):
     return jnp.sum(x, axis=1, dtype=jnp.float32)
 
 
+def pass_only(pass_buf):
+    """The read-only pass: a sum over ``pass_buf``."""
+    return jnp.sum(pass_buf, dtype=jnp.float32)
+
+
 def after_pass(fn):
-    """``(pass_buf, *args) -> fn(*args)`` run after a read-only sum over ``pass_buf``."""
+    """``(pass_buf, *args) -> fn(*args)`` run after :func:`pass_only` over ``pass_buf``."""
     def run(pass_buf, *args):
-        s = jnp.sum(pass_buf, dtype=jnp.float32)
-        s, args = jax.lax.optimization_barrier((s, args))
+        s, args = jax.lax.optimization_barrier((pass_only(pass_buf), args))
         return s, fn(*args)
     return run
 
 
-def pass_only(pass_buf):
-    return jnp.sum(pass_buf, dtype=jnp.float32)
-
-
 def us(fn, args, reps, trials) -> float:
-    return time_jax(fn, args, n=reps, trials=trials, l2="cold").us
+    return time_op(fn, args, reps=reps, trials=trials)["us"]
 
 
 def main(argv=None) -> int:
@@ -69,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=positive_int, default=100)
     ap.add_argument("--trials", type=positive_int, default=4)
     a = ap.parse_args(argv)
+    decode = mgpu_fn()
     result = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), reps=a.reps, trials=a.trials,
                   method=f"_common.time_jax, {_common.timer_description('cold', a.reps)}; "
