@@ -256,13 +256,14 @@ def run(name, *argv):
     return 0
 for name in ("kernels.py", "prefill.py", "decode_profile.py", "index_dtype_sweep.py",
              "dcp.py", "serving.py", "staging.py", "sass_stalls.py", "timer_check.py",
-             "index_select_mgpu.py", "read_floor.py"):
+             "index_select_mgpu.py", "read_floor.py", "l2_policy_probe.py"):
     assert run(name, "--help") == 0, name
 assert run("kernels.py", "--out", "/tmp/x") == 2  # no GPU and no --cpu-smoke
 assert run("kernels.py", "--out", "/tmp/x", "--cpu-smoke", "--shapes", "16") == 2
 assert run("kernels.py", "--out", "/tmp/x", "--cpu-smoke", "--reps", "0") == 2
 assert run("prefill.py", "--chunk", "-1") == 2
 assert run("read_floor.py", "--out", "/tmp/x", "--trials", "0") == 2
+assert run("l2_policy_probe.py", "--policy", "evict_often", "read_floor") == 2
 assert run("timer_check.py", "--out", "/tmp/x", "--ns", "100,0") == 2
 assert run("serving.py", "--out", "/tmp/x", "--command-buffers", "xla,graphs") == 2
 print("ok")
@@ -273,6 +274,7 @@ print("ok")
     assert "--shapes: shape indices must be in [0, 16)" in r.stderr
     assert "--reps: must be >= 1" in r.stderr
     assert "--ns: must be >= 1, got 0" in r.stderr
+    assert "--policy: invalid choice: 'evict_often'" in r.stderr
     assert "--trials: must be >= 1" in r.stderr
     assert "command buffers must be from ('xla', 'off', 'no-custom-calls')" in r.stderr
 
