@@ -128,6 +128,7 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
     "mgpu_s4": mgpu_fn(num_splits=4),
     "mgpu_st3": mgpu_fn(num_stages=3),
     "mgpu_global": mgpu_fn(exchange="global"),
+    "mgpu_l2normal": mgpu_fn(l2_evict_first=False),
     "triton": triton_fn,
 }
 

@@ -40,9 +40,9 @@ class _TaggedNvvm:
     def cp_async_bulk_tensor_shared_cluster_global(self, *args, **kwargs):
         if self._ranks is not None and len(args[2]) not in self._ranks:  # args[2]: coordinates
             return self._base.cp_async_bulk_tensor_shared_cluster_global(*args, **kwargs)
-        hint = llvm.inline_asm(ir.IntegerType.get_signless(64), [],
-                               f"createpolicy.fractional.L2::{self._policy}.b64 $0, {self._fraction};",
-                               "=l", has_side_effects=False)
+        policy = f"createpolicy.fractional.L2::{self._policy}.b64 $0, {self._fraction};"
+        hint = llvm.inline_asm(ir.IntegerType.get_signless(64), [], policy, "=l",
+                               has_side_effects=False)
         return self._base.cp_async_bulk_tensor_shared_cluster_global(
             *args, l2_cache_hint=hint, **kwargs)
 

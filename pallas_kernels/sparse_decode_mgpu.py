@@ -8,7 +8,8 @@ gathers the 16 page ids from the block table and ranks the consumed slots (stabl
 later step has a dependent global load. CTA ``c`` of the cluster owns the consumed slots
 ``c, c + S, c + 2S, ...``: it streams their pages through a ``num_stages``-deep ring of
 shared-memory buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate barriers;
-the page id is a dynamic TMA coordinate) and runs the online softmax (base 2, the hardware's
+the page id is a dynamic TMA coordinate; with ``l2_evict_first`` the page loads mark their L2
+lines as the first to be replaced) and runs the online softmax (base 2, the hardware's
 approximate ``exp2``, finite mask value) with wgmma in transposed form, so that the GQA group
 (padded to a multiple of 8) is the wgmma's N and no row is padding: ``S^T = K Q^T`` (keys on M,
 the softmax reduces over them across the warps), ``P`` stored transposed as ``[group, 128]``,
@@ -51,6 +52,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _cluster_exchange as cluster_exchange
+from pallas_kernels import _l2_hint as l2_hint
 from pallas_kernels._interpret import mosaic_interpret_params
 from pallas_kernels._shapes import NUM_SMS_H200, PAGE_SIZE, SMEM_BYTES, TOPK
 from pallas_kernels.sparse_decode import LN2, LOG2E, MASK, validate_inputs
@@ -90,6 +92,13 @@ def default_splits(num_rows: int) -> int:
     while splits < cap and num_rows * splits < FILL_CTAS:
         splits *= 2
     return splits
+
+
+def default_evict_first(num_splits: int, num_rows: int) -> bool:
+    """Whether the page loads take an evict-first L2 policy by default: with one split and
+    at most one CTA per SM (``num_rows <= 132``), where it measured faster (bench/RESULTS.md);
+    clusters and grids of several waves keep the normal policy."""
+    return num_splits == 1 and num_rows <= NUM_SMS_H200
 
 
 def merge_tasks(head_dim: int, group: int, num_splits: int) -> int:
@@ -185,7 +194,8 @@ def _merge_splits(num_splits, load_out, load_lse):
 
 
 def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
-                 num_cols, scale_log2, dtype, interpreting, pdl, exchange, approx_math):
+                 num_cols, scale_log2, dtype, interpreting, pdl, exchange, approx_math,
+                 evict_first):
     s_, ns, d = num_splits, num_stages, head_dim
     via_global = s_ > 1 and exchange == "global"
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
@@ -246,10 +256,11 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
     def issue(i, slot, parts=(0, 1)):
         """TMA copies of my ``i``-th page into ``slot``: K (part 0) and/or V (part 1)."""
         page, _ = lookup(c + i * s_)
-        for part in parts:
-            dst, bar = (k_smem, kbar) if part == 0 else (v_smem, vbar)
-            plgpu.copy_gmem_to_smem(kv_ref.at[page, h, :, pl.ds(part * d, d)], dst.at[slot],
-                                    bar.at[slot])
+        with l2_hint.evict_first(evict_first):
+            for part in parts:
+                dst, bar = (k_smem, kbar) if part == 0 else (v_smem, vbar)
+                plgpu.copy_gmem_to_smem(kv_ref.at[page, h, :, pl.ds(part * d, d)],
+                                        dst.at[slot], bar.at[slot])
 
     with jax.named_scope("issue"):
         for i in range(ns):
@@ -412,10 +423,11 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
                                              "pdl", "approx_math", "exchange",
-                                             "profile_dir"))
+                                             "l2_evict_first", "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                        interpret=None, num_splits=None, num_stages=None, pdl=True,
-                       approx_math=True, exchange=None, profile_dir=None):
+                       approx_math=True, exchange=None, l2_evict_first=None,
+                       profile_dir=None):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
     :func:`pallas_kernels.sparse_decode.sparse_decode`.
 
@@ -441,6 +453,9 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         ``"cluster"``, stores into the merging CTA's shared memory (compiled only);
         ``"global"``, through global memory and a cluster barrier; ``None``:
         :func:`default_exchange` compiled, ``"global"`` interpreted.
+      l2_evict_first: the page loads' L2 policy: ``True``, evict-first (a page is read once);
+        ``False``, the normal policy; ``None``: :func:`default_evict_first`. Values are the
+        same either way.
       profile_dir: a directory: each call writes a Perfetto trace there of the kernel's named
         regions per CTA (Mosaic GPU's profiler; a debugging aid, compiled only).
     Returns:
@@ -463,6 +478,8 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     stages = default_stages(d, splits, t * hkv) if num_stages is None else num_stages
     if stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
+    evict_first = (default_evict_first(splits, t * hkv) if l2_evict_first is None
+                   else bool(l2_evict_first))
     gp = padded_rows(hq, hkv)
     interpret = mosaic_interpret_params(interpret, inline_mgpu="ignore")  # skips inline fences
     if exchange is None:
@@ -521,7 +538,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
         num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
         interpreting=interpret is not None, pdl=bool(pdl), exchange=exchange,
-        approx_math=bool(approx_math))
+        approx_math=bool(approx_math), evict_first=evict_first)
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
     profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir) if profile_dir else {}
     params = plgpu.CompilerParams(approx_math=bool(approx_math), **profile)
@@ -534,5 +551,5 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
 
 
 __all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "default_exchange",
-           "smem_bytes", "smem_budget", "merge_tasks", "padded_rows", "SPLITS", "STAGES",
-           "HEAD_DIMS", "ROWS", "EXCHANGES"]
+           "default_evict_first", "smem_bytes", "smem_budget", "merge_tasks", "padded_rows",
+           "SPLITS", "STAGES", "HEAD_DIMS", "ROWS", "EXCHANGES"]

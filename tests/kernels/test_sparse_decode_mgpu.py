@@ -28,12 +28,14 @@ import pytest
 from _decode_batch import POISON_V, build_batch
 from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
+from pallas_kernels._l2_hint import EVICT_FIRST_POLICY
 from pallas_kernels._lowering import lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode_reference
 from pallas_kernels._shapes import NUM_SMS_H200
-from pallas_kernels.sparse_decode_mgpu import (ROWS, SMEM_BYTES, STAGES, default_exchange,
-                                               default_splits, default_stages, merge_tasks,
-                                               smem_budget, smem_bytes, sparse_decode_mgpu)
+from pallas_kernels.sparse_decode_mgpu import (ROWS, SMEM_BYTES, STAGES, default_evict_first,
+                                               default_exchange, default_splits, default_stages,
+                                               merge_tasks, smem_budget, smem_bytes,
+                                               sparse_decode_mgpu)
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -320,6 +322,40 @@ def test_exchange_lowers_to_its_transport(exchange):
                    "mbarrier.arrive.expect_tx.release.cluster.shared::cluster"):
         assert (marker in text) == (exchange == "cluster"), marker
     assert ("fence.acq_rel.cluster" in text) == (exchange == "global")
+
+
+def test_default_evict_first_is_one_split_in_one_wave():
+    rows = (1, 16, 32, 64, 128, 132, 133, 256)
+    assert [default_evict_first(default_splits(r), r) for r in rows] == \
+        [False, False, False, True, True, True, False, False]
+    assert not default_evict_first(2, 64)
+
+
+@pytest.mark.parametrize("batch,l2_evict_first,tagged", [
+    (64, None, True), (128, None, True), (16, None, False), (16, True, True),
+    (64, False, False)])
+def test_page_loads_take_the_evict_first_policy_where_asked(batch, l2_evict_first, tagged):
+    """The page loads are lowered with the evict-first L2 policy exactly where asked (by
+    default: one split, one wave), and the policy does not reach a kernel lowered later."""
+    text = lower_for_cuda(sparse_decode_mgpu, *_specs(batch, 16, 1), scale=1.0, interpret=False,
+                          l2_evict_first=l2_evict_first)
+    assert len(_mosaic_calls(text)) == 1
+    assert (EVICT_FIRST_POLICY in text) == tagged
+    assert "L2::cache_hint" not in text  # the hint is an operand, added by the NVVM lowering
+    later = lower_for_cuda(sparse_decode_mgpu, *_specs(64, 16, 1), scale=1.0, interpret=False,
+                           l2_evict_first=False)
+    assert EVICT_FIRST_POLICY not in later
+
+
+def test_l2_policy_does_not_change_results():
+    """The same batch with and without the evict-first page loads gives identical bits
+    (compiled on the GPU; interpreted, the policy's markers are skipped)."""
+    args, _ = build_batch(fresh_seed(), hq=16, hkv=1, d=128, long_first=True)
+    args = tuple(jnp.asarray(a) for a in args)
+    runs = [sparse_decode_mgpu(*args, scale=128 ** -0.5, num_splits=1, l2_evict_first=flag)
+            for flag in (True, False)]
+    chex.assert_tree_all_finite(runs[0][0])  # out (lse is -inf on padded rows)
+    chex.assert_trees_all_equal(runs[0], runs[1])
 
 
 @pytest.mark.parametrize("pdl", [True, False])

@@ -1,0 +1,116 @@
+"""Mosaic GPU TMA loads that mark their lines in the L2 as the first to be replaced.
+
+jax 0.11.2's Mosaic GPU issues every global -> shared TMA load without an L2 cache hint and
+offers no option for one. :func:`evict_first` is used inside a kernel body around the copies
+of data that is read once (``with evict_first(): plgpu.copy_gmem_to_smem(...)``): those loads
+are emitted with ``.L2::cache_hint`` and a ``createpolicy.fractional.L2::evict_first`` policy,
+so the lines they bring in replace each other before they replace lines others still need
+(or dirty lines, whose write-back would compete with the loads for DRAM).
+
+How, in two steps of the kernel's lowering:
+1. Pallas lowers the body in program order to Mosaic GPU dialect ops. The context traces a
+   marker (``plgpu.inline_mgpu`` with no operands, emitting no code) before and after the
+   copies; the second marks the ``mosaic_gpu.async_load`` ops between the two with the unit
+   attribute :data:`ATTR`.
+2. Mosaic GPU lowers each dialect op through a rule. The rule of ``mosaic_gpu.async_load`` is
+   wrapped (once, on first use): for a marked op it runs with a view of ``nvvm`` whose TMA
+   load takes the hint operand; unmarked ops lower as before.
+Interpreted kernels skip the markers (``inline_mgpu="ignore"``). The hint never changes a
+loaded value.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import dialect_lowering, launch_context
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import llvm
+
+ATTR = "jax_msa_runner.l2_evict_first"
+EVICT_FIRST_POLICY = "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;"
+_ASYNC_LOAD = mgpu.dialect.AsyncLoadOp.OPERATION_NAME
+_open: list[ir.Operation] = []  # the opening markers of the contexts being lowered
+
+
+class _NvvmWithL2Hint:
+    """``nvvm`` whose global -> shared TMA load takes an evict-first L2 cache hint."""
+
+    def __init__(self, nvvm):
+        self._nvvm = nvvm
+
+    def __getattr__(self, name):
+        return getattr(self._nvvm, name)
+
+    def cp_async_bulk_tensor_shared_cluster_global(self, *args, **kwargs):
+        if kwargs.get("l2_cache_hint") is None:
+            kwargs["l2_cache_hint"] = llvm.inline_asm(
+                ir.IntegerType.get_signless(64), [], EVICT_FIRST_POLICY, "=l",
+                has_side_effects=False)
+        return self._nvvm.cp_async_bulk_tensor_shared_cluster_global(*args, **kwargs)
+
+
+def _hinting_rule(rule):
+    """``rule`` (the async-load lowering), emitting the hint for ops marked with ATTR."""
+    def lower(ctx, op):
+        if ATTR not in op.attributes:
+            return rule(ctx, op)
+        plain = launch_context.nvvm
+        launch_context.nvvm = _NvvmWithL2Hint(plain)
+        try:
+            return rule(ctx, op)
+        finally:
+            launch_context.nvvm = plain
+
+    lower.hints_l2 = True
+    return lower
+
+
+def _install() -> None:
+    rule = dialect_lowering._lowerings[_ASYNC_LOAD]
+    if not getattr(rule, "hints_l2", False):
+        dialect_lowering._lowerings[_ASYNC_LOAD] = _hinting_rule(rule)
+
+
+def _marker_op() -> ir.Operation:
+    """The marker being lowered: the custom-primitive op whose body is being populated."""
+    return ir.InsertionPoint.current.block.owner.operation
+
+
+@plgpu.inline_mgpu()
+def _open_marker(_ctx):
+    _open.append(_marker_op())
+
+
+@plgpu.inline_mgpu()
+def _close_marker(_ctx):
+    first, last = _open.pop(), _marker_op()
+    if first.block != last.block:
+        raise RuntimeError("evict_first: a context must open and close in one block")
+    inside = False
+    for op in last.block.operations:
+        op = op.operation
+        if op == first:
+            inside = True
+        elif op == last:
+            break
+        elif inside and op.name == _ASYNC_LOAD:
+            op.attributes[ATTR] = ir.UnitAttr.get()
+
+
+@contextlib.contextmanager
+def evict_first(enabled: bool = True):
+    """Inside a Mosaic GPU kernel body: the TMA loads traced in this context (in its block,
+    not inside a nested ``pl.when`` or loop) are issued with an evict-first L2 policy.
+    ``enabled=False``: a no-op, for static switches."""
+    if not enabled:
+        yield
+        return
+    _install()
+    _open_marker()
+    yield
+    _close_marker()
+
+
+__all__ = ["evict_first", "ATTR", "EVICT_FIRST_POLICY"]
