@@ -12,7 +12,8 @@
 #   2. `bench/decode_mgpu.py` at SHAPES under each of CONFIGS (probe flags, | separated);
 #   3. `bench/kernels.py --shapes KERNEL_SHAPES --fp8 none` untagged and with the page loads
 #      (rank 5) tagged evict-first (needs `.vllm_ops` carried).
-# Writes $OUT/l2_*.{json,log} and $OUT/l2_kernels_*/.
+# Writes $OUT/l2_*.{json,log} and $OUT/l2_kernels_*/ (the device tool returns at most 8 files
+# of a call; the console output has every table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -31,7 +32,8 @@ if [[ ${MODE:?MODE} == floor ]]; then
     echo "read_floor $run rc=$? after ${SECONDS}s"; grep '^|' "$out/l2_floor_$run.log"
   done
   timeout 150 $probe --policy evict_first decode_mgpu --out "$out/l2_decode_evict_first.json" \
-    --shapes "$shapes" --variants mgpu --reps 50 --trials 3 > "$out/l2_decode_evict_first.log" 2>&1
+    --shapes "$shapes" --variants mgpu --reps 50 --trials 3 \
+    > "$out/l2_decode_evict_first.log" 2>&1
   echo "decode_mgpu rc=$? after ${SECONDS}s"
   grep -v '^{' "$out/l2_decode_evict_first.log" | tail -n 9
   for pol in none evict_first; do
@@ -40,17 +42,22 @@ if [[ ${MODE:?MODE} == floor ]]; then
     echo "index $pol rc=$? after ${SECONDS}s"; grep -v '^{' "$out/l2_index_$pol.log" | tail -n 8
   done
 else
-  shapes=${SHAPES:-16/1/16/8192,16/1/64/8192,16/1/128/8192,16/1/128/65536,64/4/64/8192,64/4/128/8192}
+  default_shapes=16/1/16/8192,16/1/64/8192,16/1/128/8192,16/1/128/65536,64/4/64/8192,64/4/128/8192
+  shapes=${SHAPES:-$default_shapes}
   MOSAIC_GPU_DUMP_PTX=1 timeout 120 $probe --policy evict_first index_select_mgpu \
     --out /tmp/iptx.json --shapes 0 --reps 2 --trials 1 > /tmp/iptx.log 2>&1
-  echo "indexer ptx rc=$?: $(grep -o 'cp\.async\.bulk\.tensor\.[0-9]d' /tmp/iptx.log | sort | uniq -c | paste -sd' ')"
-  IFS='|' read -ra configs <<< "${CONFIGS:-none|evict_first --ranks 5|evict_first|evict_first --ranks 5 --fraction 0.5|none}"
+  rc=$?
+  ranks=$(grep -o 'cp\.async\.bulk\.tensor\.[0-9]d' /tmp/iptx.log | sort | uniq -c | paste -sd' ')
+  echo "indexer ptx rc=$rc: $ranks"
+  default_configs="none|evict_first --ranks 5|evict_first|evict_first --ranks 5 --fraction 0.5|none"
+  IFS='|' read -ra configs <<< "${CONFIGS:-$default_configs}"
   i=0
   for cfg in "${configs[@]}"; do
     i=$((i + 1))
     timeout 150 $probe --policy $cfg decode_mgpu --out "$out/l2_sel_$i.json" --shapes "$shapes" \
       --variants mgpu --reps ${REPS:-100} --trials ${TRIALS:-4} > "$out/l2_sel_$i.log" 2>&1
-    echo "decode_mgpu [$cfg] rc=$? after ${SECONDS}s"; grep '^| [0-9]' "$out/l2_sel_$i.log" | cut -d'|' -f2-5,9-10
+    echo "decode_mgpu [$cfg] rc=$? after ${SECONDS}s"
+    grep '^| [0-9]' "$out/l2_sel_$i.log" | cut -d'|' -f2-5,9-10
   done
   for cfg in none "evict_first --ranks 5"; do
     tag=${cfg%% *}

@@ -34,11 +34,12 @@ _ASYNC_LOAD = mgpu.dialect.AsyncLoadOp.OPERATION_NAME
 _open: list[ir.Operation] = []  # the opening markers of the contexts being lowered
 
 
-class _NvvmWithL2Hint:
-    """``nvvm`` whose global -> shared TMA load takes an evict-first L2 cache hint."""
+class NvvmWithL2Hint:
+    """``nvvm`` whose global -> shared TMA load takes an L2 cache hint: the 64-bit policy that
+    the PTX ``policy`` (a ``createpolicy`` instruction writing ``$0``) creates in place."""
 
-    def __init__(self, nvvm):
-        self._nvvm = nvvm
+    def __init__(self, nvvm, policy: str = EVICT_FIRST_POLICY):
+        self._nvvm, self._policy = nvvm, policy
 
     def __getattr__(self, name):
         return getattr(self._nvvm, name)
@@ -46,7 +47,7 @@ class _NvvmWithL2Hint:
     def cp_async_bulk_tensor_shared_cluster_global(self, *args, **kwargs):
         if kwargs.get("l2_cache_hint") is None:
             kwargs["l2_cache_hint"] = llvm.inline_asm(
-                ir.IntegerType.get_signless(64), [], EVICT_FIRST_POLICY, "=l",
+                ir.IntegerType.get_signless(64), [], self._policy, "=l",
                 has_side_effects=False)
         return self._nvvm.cp_async_bulk_tensor_shared_cluster_global(*args, **kwargs)
 
@@ -57,7 +58,7 @@ def _hinting_rule(rule):
         if ATTR not in op.attributes:
             return rule(ctx, op)
         plain = launch_context.nvvm
-        launch_context.nvvm = _NvvmWithL2Hint(plain)
+        launch_context.nvvm = NvvmWithL2Hint(plain)
         try:
             return rule(ctx, op)
         finally:
@@ -113,4 +114,4 @@ def evict_first(enabled: bool = True):
     _close_marker()
 
 
-__all__ = ["evict_first", "ATTR", "EVICT_FIRST_POLICY"]
+__all__ = ["evict_first", "NvvmWithL2Hint", "ATTR", "EVICT_FIRST_POLICY"]

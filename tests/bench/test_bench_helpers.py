@@ -403,3 +403,24 @@ def test_gpu_clock_lowers_and_joins_words():
     words = np.array([np.int32(np.uint32(ns & 0xFFFFFFFF).view(np.int32)), 7], np.int32)
     assert _gpu_clock.clock_ns(words) == ns
     assert _gpu_clock.clock_ns(np.array([5, 0], np.int32)) == 5
+
+
+@pytest.mark.parametrize("ranks,tagged", [(None, True), (frozenset({5}), True),
+                                          (frozenset({3}), False)])
+def test_l2_policy_probe_tags_the_loads_of_the_ranks_asked(monkeypatch, ranks, tagged):
+    """The probe's ``nvvm`` gives the decode's TMA loads its policy (the page loads are 5-d
+    loads, Q's 4-d), and none where no load has one of ``ranks``."""
+    import l2_policy_probe
+    from jax.experimental.mosaic.gpu import launch_context
+    from pallas_kernels import PAGE_SIZE, TOPK
+    from pallas_kernels._lowering import lower_for_cuda
+    from pallas_kernels.sparse_decode_mgpu import sparse_decode_mgpu
+    monkeypatch.setattr(launch_context, "nvvm", l2_policy_probe._TaggedNvvm(
+        launch_context.nvvm, "evict_last", 0.5, ranks))
+    s = jax.ShapeDtypeStruct
+    specs = (s((16, 16, 128), jnp.bfloat16), s((256, 1, PAGE_SIZE, 256), jnp.bfloat16),
+             s((16, 1, TOPK), jnp.int32), s((16, 64), jnp.int32), s((16,), jnp.int32),
+             s((16,), jnp.int32))
+    text = lower_for_cuda(sparse_decode_mgpu, *specs, scale=1.0, interpret=False,
+                          l2_evict_first=False)
+    assert ("createpolicy.fractional.L2::evict_last.b64 $0, 0.5;" in text) == tagged
