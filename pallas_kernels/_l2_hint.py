@@ -12,15 +12,17 @@ How, in two steps of the kernel's lowering:
    marker (``plgpu.inline_mgpu`` with no operands, emitting no code) before and after the
    copies; the second marks the ``mosaic_gpu.async_load`` ops between the two with the unit
    attribute :data:`ATTR`.
-2. Mosaic GPU lowers each dialect op through a rule. The rule of ``mosaic_gpu.async_load`` is
-   wrapped (once, on first use): for a marked op it runs with a view of ``nvvm`` whose TMA
-   load takes the hint operand; unmarked ops lower as before.
+2. Mosaic GPU lowers each dialect op through a rule. On first use, the rule of
+   ``mosaic_gpu.async_load`` is wrapped to flag (per thread) that it lowers a marked op, and
+   the ``nvvm`` module that the launch context emits TMA loads through is wrapped to add the
+   hint operand while that flag is on. Unmarked ops lower as before.
 Interpreted kernels skip the markers (``inline_mgpu="ignore"``). The hint never changes a
 loaded value.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import dialect_lowering, launch_context
@@ -32,6 +34,7 @@ ATTR = "jax_msa_runner.l2_evict_first"
 EVICT_FIRST_POLICY = "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;"
 _ASYNC_LOAD = mgpu.dialect.AsyncLoadOp.OPERATION_NAME
 _open: list[ir.Operation] = []  # the opening markers of the contexts being lowered
+_lowering_marked = threading.local()  # .on: this thread lowers a marked async load
 
 
 class NvvmWithL2Hint:
@@ -52,23 +55,33 @@ class NvvmWithL2Hint:
         return self._nvvm.cp_async_bulk_tensor_shared_cluster_global(*args, **kwargs)
 
 
+class _NvvmHintingMarkedLoads(NvvmWithL2Hint):
+    """``nvvm`` that adds the evict-first hint only while this thread lowers a marked op."""
+
+    def cp_async_bulk_tensor_shared_cluster_global(self, *args, **kwargs):
+        if getattr(_lowering_marked, "on", False):
+            return super().cp_async_bulk_tensor_shared_cluster_global(*args, **kwargs)
+        return self._nvvm.cp_async_bulk_tensor_shared_cluster_global(*args, **kwargs)
+
+
 def _hinting_rule(rule):
-    """``rule`` (the async-load lowering), emitting the hint for ops marked with ATTR."""
+    """``rule`` (the async-load lowering), run with the hint for ops marked with ATTR."""
     def lower(ctx, op):
         if ATTR not in op.attributes:
             return rule(ctx, op)
-        plain = launch_context.nvvm
-        launch_context.nvvm = NvvmWithL2Hint(plain)
+        _lowering_marked.on = True
         try:
             return rule(ctx, op)
         finally:
-            launch_context.nvvm = plain
+            _lowering_marked.on = False
 
     lower.hints_l2 = True
     return lower
 
 
 def _install() -> None:
+    if not isinstance(launch_context.nvvm, _NvvmHintingMarkedLoads):
+        launch_context.nvvm = _NvvmHintingMarkedLoads(launch_context.nvvm)
     rule = dialect_lowering._lowerings[_ASYNC_LOAD]
     if not getattr(rule, "hints_l2", False):
         dialect_lowering._lowerings[_ASYNC_LOAD] = _hinting_rule(rule)
