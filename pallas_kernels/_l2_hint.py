@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import dialect_lowering, launch_context
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
@@ -32,7 +32,7 @@ from jaxlib.mlir.dialects import llvm
 
 ATTR = "jax_msa_runner.l2_evict_first"
 EVICT_FIRST_POLICY = "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;"
-_ASYNC_LOAD = mgpu.dialect.AsyncLoadOp.OPERATION_NAME
+_ASYNC_LOAD = "mosaic_gpu.async_load"  # the dialect op of a Pallas TMA copy
 _open: list[ir.Operation] = []  # the opening markers of the contexts being lowered
 _lowering_marked = threading.local()  # .on: this thread lowers a marked async load
 
@@ -79,12 +79,21 @@ def _hinting_rule(rule):
     return lower
 
 
-def _install() -> None:
-    if not isinstance(launch_context.nvvm, _NvvmHintingMarkedLoads):
-        launch_context.nvvm = _NvvmHintingMarkedLoads(launch_context.nvvm)
-    rule = dialect_lowering._lowerings[_ASYNC_LOAD]
-    if not getattr(rule, "hints_l2", False):
-        dialect_lowering._lowerings[_ASYNC_LOAD] = _hinting_rule(rule)
+def _install() -> bool:
+    """Wraps the two jax 0.11.2 internals once; False (with a warning, loads unhinted) where
+    this jax does not have them."""
+    rules = getattr(dialect_lowering, "_lowerings", None)
+    nvvm = getattr(launch_context, "nvvm", None)
+    if not isinstance(rules, dict) or _ASYNC_LOAD not in rules or not hasattr(
+            nvvm, "cp_async_bulk_tensor_shared_cluster_global"):
+        warnings.warn("pallas_kernels: this jax's Mosaic GPU lowering has no place for an L2 "
+                      "cache hint; TMA loads are issued without one", stacklevel=3)
+        return False
+    if not isinstance(nvvm, _NvvmHintingMarkedLoads):
+        launch_context.nvvm = _NvvmHintingMarkedLoads(nvvm)
+    if not getattr(rules[_ASYNC_LOAD], "hints_l2", False):
+        rules[_ASYNC_LOAD] = _hinting_rule(rules[_ASYNC_LOAD])
+    return True
 
 
 def _marker_op() -> ir.Operation:
@@ -118,10 +127,9 @@ def evict_first(enabled: bool = True):
     """Inside a Mosaic GPU kernel body: the TMA loads traced in this context (in its block,
     not inside a nested ``pl.when`` or loop) are issued with an evict-first L2 policy.
     ``enabled=False``: a no-op, for static switches."""
-    if not enabled:
+    if not enabled or not _install():
         yield
         return
-    _install()
     _open_marker()
     yield
     _close_marker()

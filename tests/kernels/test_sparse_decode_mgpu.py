@@ -347,6 +347,18 @@ def test_page_loads_take_the_evict_first_policy_where_asked(batch, l2_evict_firs
     assert EVICT_FIRST_POLICY not in later
 
 
+def test_l2_hint_falls_back_to_plain_loads_without_its_jax_internals(monkeypatch):
+    """Where jax's lowering lacks the op the hint attaches to, the kernel still lowers, with
+    a warning and without the policy."""
+    from pallas_kernels import _l2_hint
+    monkeypatch.setattr(_l2_hint, "_ASYNC_LOAD", "mosaic_gpu.no_such_op")
+    # scale 0.5: a call no other test makes, so the kernel is traced here, not taken from a cache
+    with pytest.warns(UserWarning, match="no place for an L2 cache hint"):
+        text = lower_for_cuda(sparse_decode_mgpu, *_specs(64, 16, 1), scale=0.5,
+                              interpret=False, l2_evict_first=True)
+    assert len(_mosaic_calls(text)) == 1 and EVICT_FIRST_POLICY not in text
+
+
 def test_l2_policy_does_not_change_results():
     """The same batch with and without the evict-first page loads gives identical bits
     (compiled on the GPU; interpreted, the policy's markers are skipped)."""
