@@ -33,8 +33,8 @@ from jaxlib.mlir.dialects import llvm
 ATTR = "jax_msa_runner.l2_evict_first"
 EVICT_FIRST_POLICY = "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;"
 _ASYNC_LOAD = "mosaic_gpu.async_load"  # the dialect op of a Pallas TMA copy
-_open: list[ir.Operation] = []  # the opening markers of the contexts being lowered
-_lowering_marked = threading.local()  # .on: this thread lowers a marked async load
+_lowering = threading.local()  # per thread: .open, the opening markers of the contexts being
+# lowered (a list of ops); .marked, whether a marked async load is being lowered (a bool)
 
 
 class NvvmWithL2Hint:
@@ -59,7 +59,7 @@ class _NvvmHintingMarkedLoads(NvvmWithL2Hint):
     """``nvvm`` that adds the evict-first hint only while this thread lowers a marked op."""
 
     def cp_async_bulk_tensor_shared_cluster_global(self, *args, **kwargs):
-        if getattr(_lowering_marked, "on", False):
+        if getattr(_lowering, "marked", False):
             return super().cp_async_bulk_tensor_shared_cluster_global(*args, **kwargs)
         return self._nvvm.cp_async_bulk_tensor_shared_cluster_global(*args, **kwargs)
 
@@ -69,11 +69,11 @@ def _hinting_rule(rule):
     def lower(ctx, op):
         if ATTR not in op.attributes:
             return rule(ctx, op)
-        _lowering_marked.on = True
+        _lowering.marked = True
         try:
             return rule(ctx, op)
         finally:
-            _lowering_marked.on = False
+            _lowering.marked = False
 
     lower.hints_l2 = True
     return lower
@@ -103,12 +103,12 @@ def _marker_op() -> ir.Operation:
 
 @plgpu.inline_mgpu()
 def _open_marker(_ctx):
-    _open.append(_marker_op())
+    _lowering.__dict__.setdefault("open", []).append(_marker_op())
 
 
 @plgpu.inline_mgpu()
 def _close_marker(_ctx):
-    first, last = _open.pop(), _marker_op()
+    first, last = _lowering.open.pop(), _marker_op()
     if first.block != last.block:
         raise RuntimeError("evict_first: a context must open and close in one block")
     inside = False
