@@ -2,13 +2,24 @@
 default decode's): random kv lengths (not multiples of 128), padded rows, -1 / out-of-range /
 repeated / unconsumed ids, several tokens per request; every block-table entry no token may
 consume points at a finite poison page (K = 0, V = 1000), and keys past a request's length
-hold NaN."""
+hold NaN. ``decode_specs``: the same six arguments as shapes only, for lowering tests."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import PAGE_SIZE, TOPK
 
 POISON_V = 1000.0
+
+
+def decode_specs(t, hq, hkv, d=128, *, pages=4096, rows=128, cols=512, dtype=jnp.bfloat16):
+    """``jax.ShapeDtypeStruct``s of the decode kernels' six arguments: q ``[t, hq, d]``, the
+    cache ``[pages, hkv, 128, 2d]`` (``dtype``), selected ``[t, hkv, 16]``, a ``[rows, cols]``
+    block table, req_indices and kv_lens ``[t]`` (int32)."""
+    s = jax.ShapeDtypeStruct
+    return (s((t, hq, d), dtype), s((pages, hkv, PAGE_SIZE, 2 * d), dtype),
+            s((t, hkv, TOPK), jnp.int32), s((rows, cols), jnp.int32), s((t,), jnp.int32),
+            s((t,), jnp.int32))
 
 
 def build_batch(seed, *, hq, hkv, d, tokens=3, pad_tokens=1, max_blocks=6, long_first=False,

@@ -411,16 +411,13 @@ def test_l2_policy_probe_tags_the_loads_of_the_ranks_asked(monkeypatch, ranks, t
     """The probe's ``nvvm`` gives the decode's TMA loads its policy (the page loads are 5-d
     loads, Q's 4-d), and none where no load has one of ``ranks``."""
     import l2_policy_probe
+    from _decode_batch import decode_specs
     from jax.experimental.mosaic.gpu import launch_context
-    from pallas_kernels import PAGE_SIZE, TOPK
     from pallas_kernels._lowering import lower_for_cuda
     from pallas_kernels.sparse_decode_mgpu import sparse_decode_mgpu
     monkeypatch.setattr(launch_context, "nvvm", l2_policy_probe._TaggedNvvm(
         launch_context.nvvm, "evict_last", 0.5, ranks))
-    s = jax.ShapeDtypeStruct
-    specs = (s((16, 16, 128), jnp.bfloat16), s((256, 1, PAGE_SIZE, 256), jnp.bfloat16),
-             s((16, 1, TOPK), jnp.int32), s((16, 64), jnp.int32), s((16,), jnp.int32),
-             s((16,), jnp.int32))
-    text = lower_for_cuda(sparse_decode_mgpu, *specs, scale=1.0, interpret=False,
-                          l2_evict_first=False)
+    text = lower_for_cuda(sparse_decode_mgpu, *decode_specs(16, 16, 1, pages=256, rows=16,
+                                                            cols=64),
+                          scale=1.0, interpret=False, l2_evict_first=False)
     assert ("createpolicy.fractional.L2::evict_last.b64 $0, 0.5;" in text) == tagged

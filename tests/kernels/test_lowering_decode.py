@@ -2,12 +2,12 @@
 at the benchmark shapes (Hq/Hkv 16/1 and 64/4, D 128, 16 selected pages)."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import pytest
 
+from _decode_batch import decode_specs as _specs
 from pallas_kernels._lowering import lower_for_cuda, triton_calls
-from pallas_kernels import PAGE_SIZE, TOPK
+from pallas_kernels import PAGE_SIZE
 from pallas_kernels.sparse_decode import (SMEM_BYTES, default_decode_config,
                                           max_stages, pipeline_smem_bytes, sparse_decode,
                                           step_bytes)
@@ -20,13 +20,6 @@ def lower(fn, *args, **kwargs):
     """`lower_for_cuda` of the compiled kernel: ``interpret=False`` (the default, None,
     would interpret on this CPU backend)."""
     return lower_for_cuda(fn, *args, interpret=False, **kwargs)
-
-
-def _specs(t, hq, hkv, *, pages=4096, rows=128, cols=512):
-    s = jax.ShapeDtypeStruct
-    return (s((t, hq, D), jnp.bfloat16), s((pages, hkv, PAGE_SIZE, 2 * D), jnp.bfloat16),
-            s((t, hkv, TOPK), jnp.int32), s((rows, cols), jnp.int32), s((t,), jnp.int32),
-            s((t,), jnp.int32))
 
 
 @pytest.mark.parametrize("hq,hkv,batch,want", [

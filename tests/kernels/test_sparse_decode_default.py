@@ -9,14 +9,12 @@ on a CPU backend both kernels run interpreted, on the H200 compiled.
 from __future__ import annotations
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _decode_batch import POISON_V, build_batch
+from _decode_batch import POISON_V, build_batch, decode_specs as _specs
 from _helpers import fresh_seed
-from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels._lowering import custom_call_counts, lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
 from pallas_kernels.sparse_decode_default import (MOSAIC_MAX_ROWS, decode_backend,
@@ -35,13 +33,6 @@ from pallas_kernels.sparse_decode_default import (MOSAIC_MAX_ROWS, decode_backen
 ])
 def test_decode_backend_rule(rows, hq, hkv, d, dtype, interpreting, want):
     assert decode_backend(rows, hq, hkv, d, dtype, interpreting=interpreting) == want
-
-
-def _specs(t, hq, hkv, d=128, dtype=jnp.bfloat16):
-    s = jax.ShapeDtypeStruct
-    return (s((t, hq, d), dtype), s((4096, hkv, PAGE_SIZE, 2 * d), dtype),
-            s((t, hkv, TOPK), jnp.int32), s((128, 512), jnp.int32), s((t,), jnp.int32),
-            s((t,), jnp.int32))
 
 
 @pytest.mark.parametrize("t,hq,hkv,dtype,want", [

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _decode_batch import POISON_V, build_batch
+from _decode_batch import POISON_V, build_batch, decode_specs as _specs
 from _helpers import fresh_seed
 from pallas_kernels import PAGE_SIZE, TOPK
 from pallas_kernels._l2_hint import EVICT_FIRST_POLICY
@@ -189,13 +189,6 @@ def test_empty_batch_and_all_padded_rows():
                                   num_splits=2)
     chex.assert_trees_all_equal(out, jnp.zeros_like(q))
     assert bool(jnp.all(lse == -jnp.inf))
-
-
-def _specs(t, hq, hkv, d=128, *, pages=4096, rows=128, cols=512, dtype=jnp.bfloat16):
-    s = jax.ShapeDtypeStruct
-    return (s((t, hq, d), dtype), s((pages, hkv, PAGE_SIZE, 2 * d), dtype),
-            s((t, hkv, TOPK), jnp.int32), s((rows, cols), jnp.int32), s((t,), jnp.int32),
-            s((t,), jnp.int32))
 
 
 @pytest.mark.parametrize("kw,match,exc", [
