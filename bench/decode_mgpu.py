@@ -129,7 +129,13 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
     "mgpu_st3": mgpu_fn(num_stages=3),
     "mgpu_global": mgpu_fn(exchange="global"),
     "mgpu_l2normal": mgpu_fn(l2_evict_first=False),
+    "mgpu_s1": mgpu_fn(num_splits=1),
+    "mgpu_s2": mgpu_fn(num_splits=2),
     "mgpu_s2_evict": mgpu_fn(num_splits=2, l2_evict_first=True),
+    "mgpu_s2_evict_st3": mgpu_fn(num_splits=2, num_stages=3, l2_evict_first=True),
+    "mgpu_s4_evict": mgpu_fn(num_splits=4, l2_evict_first=True),
+    "mgpu_s8": mgpu_fn(num_splits=8),
+    "mgpu_s8_evict": mgpu_fn(num_splits=8, l2_evict_first=True),
     "triton": triton_fn,
 }
 

@@ -82,23 +82,28 @@ def padded_rows(num_q_heads: int, num_kv_heads: int) -> int:
 
 def default_splits(num_rows: int) -> int:
     """Cluster size for ``num_rows = T * Hkv`` rows: the smallest power of two (<= 16) with
-    ``num_rows * splits >= 64`` CTAs, so small batches spread their pages over the SMs (from
-    64 rows on, one CTA streams a row's 16 pages and nothing is merged); clusters of 16 (one
-    page per CTA) only while ``num_rows * 16`` CTAs fit one per SM."""
+    ``num_rows * splits >= 64`` CTAs, so small batches spread their pages over the SMs;
+    clusters of 16 (one page per CTA) only while ``num_rows * 16`` CTAs fit one per SM. Up
+    to 66 rows take at least two splits, so that one wave of up to 132 CTAs streams the pages
+    with evict-first loads (:func:`default_evict_first`); from 67 rows on, one CTA streams a
+    row's 16 pages and nothing is merged."""
     cap = SPLITS[-1]
     if num_rows * 16 > NUM_SMS_H200:
         cap = min(cap, 8)
     splits = 1
     while splits < cap and num_rows * splits < FILL_CTAS:
         splits *= 2
+    if splits == 1 and 2 * num_rows <= NUM_SMS_H200:
+        splits = 2
     return splits
 
 
 def default_evict_first(num_splits: int, num_rows: int) -> bool:
-    """Whether the page loads take an evict-first L2 policy by default: with one split and
-    at most one CTA per SM (``num_rows <= 132``), where it measured faster (bench/RESULTS.md);
-    clusters and grids of several waves keep the normal policy."""
-    return num_splits == 1 and num_rows <= NUM_SMS_H200
+    """Whether the page loads take an evict-first L2 policy by default: with clusters of at
+    most 2 whose ``num_rows * num_splits`` CTAs fit one wave (one per SM), where it measured
+    faster (bench/RESULTS.md); larger clusters and grids of several waves keep the normal
+    policy."""
+    return num_splits <= 2 and num_rows * num_splits <= NUM_SMS_H200
 
 
 def merge_tasks(head_dim: int, group: int, num_splits: int) -> int:

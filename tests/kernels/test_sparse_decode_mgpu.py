@@ -210,8 +210,8 @@ def test_rejects_unsupported_arguments(kw, match, exc):
 
 
 def test_default_config_fits_shared_memory():
-    assert [default_splits(r) for r in (1, 4, 5, 8, 9, 16, 17, 32, 63, 64, 65, 128, 512)] == \
-        [16, 16, 16, 8, 8, 4, 4, 2, 2, 1, 1, 1, 1]
+    assert [default_splits(r) for r in (1, 4, 5, 8, 9, 16, 17, 32, 63, 64, 66, 67, 128, 512)] \
+        == [16, 16, 16, 8, 8, 4, 4, 2, 2, 2, 2, 1, 1, 1]
     for splits in (1, 2, 4, 8, 16):
         for d in (64, 128):
             for stages in STAGES:  # every ring fits a group of 16, the merge's reuse included
@@ -317,19 +317,20 @@ def test_exchange_lowers_to_its_transport(exchange):
     assert ("fence.acq_rel.cluster" in text) == (exchange == "global")
 
 
-def test_default_evict_first_is_one_split_in_one_wave():
-    rows = (1, 16, 32, 64, 128, 132, 133, 256)
+def test_default_evict_first_is_clusters_of_at_most_two_in_one_wave():
+    rows = (1, 16, 31, 32, 64, 66, 67, 128, 132, 133, 256)
     assert [default_evict_first(default_splits(r), r) for r in rows] == \
-        [False, False, False, True, True, True, False, False]
-    assert not default_evict_first(2, 64)
+        [False, False, False, True, True, True, True, True, True, False, False]
+    assert [default_evict_first(s, r) for s, r in ((2, 67), (4, 32), (1, 133))] == \
+        [False, False, False]
 
 
 @pytest.mark.parametrize("batch,l2_evict_first,tagged", [
-    (64, None, True), (128, None, True), (16, None, False), (16, True, True),
+    (32, None, True), (64, None, True), (128, None, True), (16, None, False), (16, True, True),
     (64, False, False)])
 def test_page_loads_take_the_evict_first_policy_where_asked(batch, l2_evict_first, tagged):
     """The page loads are lowered with the evict-first L2 policy exactly where asked (by
-    default: one split, one wave), and the policy does not reach a kernel lowered later."""
+    default: clusters of at most 2 in one wave), and the policy does not reach a kernel lowered later."""
     text = lower_for_cuda(sparse_decode_mgpu, *_specs(batch, 16, 1), scale=1.0, interpret=False,
                           l2_evict_first=l2_evict_first)
     assert len(_mosaic_calls(text)) == 1
@@ -352,12 +353,14 @@ def test_l2_hint_falls_back_to_plain_loads_without_its_jax_internals(monkeypatch
     assert len(_mosaic_calls(text)) == 1 and EVICT_FIRST_POLICY not in text
 
 
-def test_l2_policy_does_not_change_results():
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_l2_policy_does_not_change_results(num_splits):
     """The same batch with and without the evict-first page loads gives identical bits
     (compiled on the GPU; interpreted, the policy's markers are skipped)."""
     args, _ = build_batch(fresh_seed(), hq=16, hkv=1, d=128, long_first=True)
     args = tuple(jnp.asarray(a) for a in args)
-    runs = [sparse_decode_mgpu(*args, scale=128 ** -0.5, num_splits=1, l2_evict_first=flag)
+    runs = [sparse_decode_mgpu(*args, scale=128 ** -0.5, num_splits=num_splits,
+                               l2_evict_first=flag)
             for flag in (True, False)]
     chex.assert_tree_all_finite(runs[0][0])  # out (lse is -inf on padded rows)
     chex.assert_trees_all_equal(runs[0], runs[1])
