@@ -79,7 +79,7 @@ def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first
 
 # (hq, hkv, d, num_splits, num_stages, long_first): the 16/1 D=128 target layout with 16
 # consumed pages; GQA groups of 4 and 6 (padded to 8 rows), two KV heads, D=64; every ring;
-# a group of 64 on 2 splits (16 merge tasks, 8 per CTA); the default from 64 rows on (one
+# a group of 64 on 2 splits (16 merge tasks, 8 per CTA); the default from 67 rows on (one
 # split, 2-deep ring).
 IN_PROCESS = [(16, 1, 128, 1, 3, True), (16, 1, 128, 2, 2, False), (8, 2, 64, 1, 1, False),
               (12, 2, 64, 2, 1, False), (64, 1, 128, 2, 1, False), (16, 1, 128, 1, 2, False)]
