@@ -129,6 +129,7 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
     "mgpu_st3": mgpu_fn(num_stages=3),
     "mgpu_global": mgpu_fn(exchange="global"),
     "mgpu_l2normal": mgpu_fn(l2_evict_first=False),
+    "mgpu_evict": mgpu_fn(l2_evict_first=True),
     "mgpu_s1": mgpu_fn(num_splits=1),
     "mgpu_s2": mgpu_fn(num_splits=2),
     "mgpu_s2_evict": mgpu_fn(num_splits=2, l2_evict_first=True),
