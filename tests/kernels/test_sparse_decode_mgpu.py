@@ -330,7 +330,8 @@ def test_default_evict_first_is_clusters_of_at_most_two_in_one_wave():
     (64, False, False)])
 def test_page_loads_take_the_evict_first_policy_where_asked(batch, l2_evict_first, tagged):
     """The page loads are lowered with the evict-first L2 policy exactly where asked (by
-    default: clusters of at most 2 in one wave), and the policy does not reach a kernel lowered later."""
+    default: clusters of at most 2 in one wave), and the policy does not reach a kernel
+    lowered later."""
     text = lower_for_cuda(sparse_decode_mgpu, *_specs(batch, 16, 1), scale=1.0, interpret=False,
                           l2_evict_first=l2_evict_first)
     assert len(_mosaic_calls(text)) == 1
