@@ -90,11 +90,9 @@ def default_splits(num_rows: int) -> int:
     cap = SPLITS[-1]
     if num_rows * 16 > NUM_SMS_H200:
         cap = min(cap, 8)
-    splits = 1
+    splits = 2 if 2 * num_rows <= NUM_SMS_H200 else 1  # two splits while they fit one wave
     while splits < cap and num_rows * splits < FILL_CTAS:
         splits *= 2
-    if splits == 1 and 2 * num_rows <= NUM_SMS_H200:
-        splits = 2
     return splits
 
 
