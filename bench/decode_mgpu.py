@@ -4,7 +4,10 @@ Variants: the Mosaic GPU decode with and without programmatic dependent launch (
 the library ``exp2``/``log2`` instead of the default approximate instructions
 (``approx_math=False``), with the split states exchanged through global memory
 (``mgpu_global``), with a 2-deep ring (``mgpu_st2``; 2 splits: ``mgpu_s2_st2``), a
-3-deep ring (``mgpu_st3``), with clusters of 4 (``mgpu_s4``), and the Triton decode.
+3-deep ring (``mgpu_st3``), with clusters of 1, 2, 4 or 8 (``mgpu_s1`` ... ``mgpu_s8``), with
+the page loads' L2 evict-first hint forced on or off (``mgpu_evict``, ``mgpu_l2normal``; with a
+cluster size: ``mgpu_s2_evict``, ``mgpu_s2_evict_st3``, ``mgpu_s4_evict``, ``mgpu_s8_evict``),
+and the Triton decode.
 
 Shapes: Hq/Hkv 16/1 and 64/4, D 128, B decode tokens in 1/16/64/128, every request at context
 L in 8192/65536 with a random page permutation, 16 distinct selected blocks per (token, KV
