@@ -11,7 +11,13 @@ vLLM's ops does. This script times the same compiled op in one process after eac
   vllm_graph   our inputs shared with torch (DLPack), vLLM's decode run and its graphs captured;
   vllm_timed   one round of vLLM's graph and eager timing;
   new_inputs   fresh inputs and selection allocated now (other device addresses);
-  torch_freed  vLLM's graphs and torch's tensors dropped, torch's cache emptied.
+  torch_freed  vLLM's graphs and torch's tensors dropped, torch's cache emptied;
+  idle         after --idle-s seconds idle.
+
+With --sequence stress, no vLLM, only load: jax, then after --stress-s of back-to-back
+JAX copies (stress_jax), after --idle-s idle (idle), after as long a torch add_ loop
+(stress_torch), and idle again (idle_again): whether the device's state, not vLLM, costs the
+time. Every stage also measures the copy bandwidth (bench/_common.copy_bandwidth).
 
 With --torch-first, torch's context, its flush buffer and vLLM's ops come before our inputs
 (as in `bench/kernels.py`), and the first stage is named torch_first.
@@ -19,6 +25,7 @@ With --torch-first, torch's context, its flush buffer and vLLM's ops come before
 Each stage: --trials samples of --reps calls (bench/_common.time_jax, cold L2), the flush-only
 loop's time, and the GPU clocks nvidia-smi reads. Usage (GPU, carry .vllm_ops):
   python3 bench/process_state.py --out DIR [--shape 6] [--repeat 2] [--torch-first]
+  [--sequence vllm|stress]
 Writes DIR/process_state.json.
 """
 from __future__ import annotations
@@ -32,6 +39,7 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -51,6 +59,17 @@ def gpu_clocks() -> str:
         return f"unavailable: {type(e).__name__}"
 
 
+def busy(step, seconds: float, sync) -> int:
+    """Calls ``step`` back to back for ``seconds`` (synchronising every 20 calls); the count."""
+    t_end, calls = time.perf_counter() + seconds, 0
+    while time.perf_counter() < t_end:
+        for _ in range(20):
+            step()
+        sync()
+        calls += 20
+    return calls
+
+
 def inputs_and_selection(shape, seed: int) -> tuple[dict, jax.Array]:
     x = make_inputs(shape, seed)
     return x, jax.block_until_ready(jax.jit(our_indexer)(x))
@@ -66,12 +85,16 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-ops", default=".vllm_ops")
     p.add_argument("--torch-first", action="store_true",
                    help="torch, its flush buffer and vLLM's ops before our inputs")
+    p.add_argument("--sequence", choices=("vllm", "stress"), default="vllm")
+    p.add_argument("--stress-s", type=_common.positive_int, default=10)
+    p.add_argument("--idle-s", type=_common.positive_int, default=20)
     args = p.parse_args(argv)
     if not _common.ON_GPU:
         p.error("no GPU backend: run on the GPU machine")
     shape = all_shapes()[args.shape]
     result = {"shape": shape.name, "bytes": shape.decode_bytes, "reps": args.reps,
-              "trials": args.trials, "torch_first": args.torch_first, "stages": []}
+              "trials": args.trials, "torch_first": args.torch_first,
+              "sequence": args.sequence, "stages": []}
     path = os.path.join(args.out, "process_state.json")
 
     def measure(stage: str) -> None:
@@ -79,11 +102,34 @@ def main(argv=None) -> int:
                                  l2="cold").as_dict() for _ in range(args.repeat)]
         us = [s for r in runs for s in r["samples_us"]]
         row = {"stage": stage, "us": sorted(us)[len(us) // 2], "samples_us": us,
-               "flush_us": [r["flush_us"] for r in runs], "clocks": gpu_clocks()}
+               "flush_us": [r["flush_us"] for r in runs],
+               "copy_TBps": round(_common.copy_bandwidth()["copy_Bps"] / 1e12, 3),
+               "clocks": gpu_clocks()}
         result["stages"].append(row)
         _common.write_json(path, result)
         print(f"{stage:12s} {row['us']:7.2f} us  samples {us}  flush {row['flush_us']}  "
-              f"{row['clocks']}", flush=True)
+              f"copy {row['copy_TBps']} TB/s  {row['clocks']}", flush=True)
+
+    if args.sequence == "stress":
+        x, selected = inputs_and_selection(shape, args.seed)
+        measure("jax")
+        a = _common.same_traffic_copy_input(2 << 30)
+        copy = jax.jit(_common.scale_copy)
+        n = busy(lambda: copy(a), args.stress_s, lambda: jax.block_until_ready(copy(a)))
+        result["stress_jax_copies"] = n
+        measure("stress_jax")
+        time.sleep(args.idle_s)
+        measure("idle")
+        import torch
+        buf = torch.zeros(1 << 29, dtype=torch.float32, device="cuda")
+        result["stress_torch_adds"] = busy(lambda: buf.add_(1.0), args.stress_s,
+                                           torch.cuda.synchronize)
+        measure("stress_torch")
+        del buf
+        torch.cuda.empty_cache()
+        time.sleep(args.idle_s)
+        measure("idle_again")
+        return 0
 
     if not args.torch_first:
         x, selected = inputs_and_selection(shape, args.seed)
@@ -119,7 +165,8 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     measure("torch_freed")
-    _common.write_json(path, result)
+    time.sleep(args.idle_s)
+    measure("idle")
     return 0
 
 
