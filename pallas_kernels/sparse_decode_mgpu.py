@@ -110,14 +110,17 @@ def merge_tasks(head_dim: int, group: int, num_splits: int) -> int:
 
 
 def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 2,
-               group: int = ROWS, exchange: str = "global") -> int:
+               group: int = ROWS, exchange: str = "global", num_v_stages: int | None = None
+               ) -> int:
     """Shared memory of one CTA for a GQA group of ``group`` rows (a multiple of 8; default
-    the largest): the K and V rings and P, Q, the output/LSE staging and a reserve, plus the
-    split merge's buffers. ``exchange="global"``: the ring's memory is reused after the page
-    loop (this split's state, then the S tiles of each of its merge tasks and the peers' LSE
-    rows). ``"cluster"``: receive buffers of their own (peers write them while this CTA may
-    still be in its page loop): ``D / S`` head dims x ``group`` f32 and an LSE row per split."""
-    ring = num_stages * 2 * PAGE_SIZE * head_dim * itemsize + group * PAGE_SIZE * itemsize
+    the largest): the K ring (``num_stages`` deep) and V ring (``num_v_stages``, default as
+    deep) and P, Q, the output/LSE staging and a reserve, plus the split merge's buffers.
+    ``exchange="global"``: the ring's memory is reused after the page loop (this split's
+    state, then the S tiles of each of its merge tasks and the peers' LSE rows).
+    ``"cluster"``: receive buffers of their own (peers write them while this CTA may still be
+    in its page loop): ``D / S`` head dims x ``group`` f32 and an LSE row per split."""
+    nv = num_stages if num_v_stages is None else num_v_stages
+    ring = (num_stages + nv) * PAGE_SIZE * head_dim * itemsize + group * PAGE_SIZE * itemsize
     q = group * head_dim * itemsize
     fixed = q + ROWS * 4 + SMEM_RESERVE
     if num_splits == 1:
@@ -196,10 +199,10 @@ def _merge_splits(num_splits, load_out, load_lse):
     return acc_t / div, lse.max(axis=0)
 
 
-def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_rows,
+def _decode_body(*refs, num_splits, num_stages, num_v_stages, head_dim, group, num_pages, num_rows,
                  num_cols, scale_log2, dtype, interpreting, pdl, exchange, approx_math,
                  evict_first):
-    s_, ns, d = num_splits, num_stages, head_dim
+    s_, ns, nv, d = num_splits, num_stages, num_v_stages, head_dim
     via_global = s_ > 1 and exchange == "global"
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
     rest = refs[8:]
@@ -256,8 +259,9 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
     n_mine = jnp.maximum(n_valid - c + s_ - 1, 0) // s_  # my ranks: c, c + S, ...
 
-    def issue(i, slot, parts=(0, 1)):
-        """TMA copies of my ``i``-th page into ``slot``: K (part 0) and/or V (part 1)."""
+    def issue(i, slot, parts):
+        """TMA copies of my ``i``-th page into ``slot`` of the K ring (part 0) and/or of the
+        V ring (part 1)."""
         page, _ = lookup(c + i * s_)
         with l2_hint.evict_first(evict_first):
             for part in parts:
@@ -266,14 +270,15 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
                                         dst.at[slot], bar.at[slot])
 
     with jax.named_scope("issue"):
-        for i in range(ns):
-            pl.when(i < n_mine)(functools.partial(issue, i, i))
+        for i in range(max(ns, nv)):
+            parts = tuple(p for p, depth in enumerate((ns, nv)) if i < depth)
+            pl.when(i < n_mine)(functools.partial(issue, i, i, parts))
     with jax.named_scope("q_wait"):
         plgpu.barrier_wait(qbar)
 
     def step(i, carry):
         acc, m, l = carry
-        slot = lax.rem(i, ns)
+        slot, v_slot = lax.rem(i, ns), lax.rem(i, nv)
         _, blk = lookup(c + i * s_)
         n_keys = jnp.clip(kv_len - blk * PAGE_SIZE, 0, PAGE_SIZE)
         with jax.named_scope("k_wait"):
@@ -299,18 +304,19 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
             pt_smem.transpose((1, 0))[...] = pt.astype(dtype)
             plgpu.commit_smem()
         with jax.named_scope("v_wait"):
-            plgpu.barrier_wait(vbar.at[slot])
+            plgpu.barrier_wait(vbar.at[v_slot])
 
         @pl.when(n_keys < PAGE_SIZE)
         def _zero_tail():  # keys past kv_len: V rows become 0 so that P V ignores them
-            v_ref = v_smem.at[slot]
+            v_ref = v_smem.at[v_slot]
             row = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, d), 0,
                                          layout=plgpu.Layout.WGMMA)
             v_ref[...] = jnp.where(row < n_keys, v_ref[...], jnp.zeros((PAGE_SIZE, d), dtype))
             plgpu.commit_smem()
 
         def pv(acc_ref):  # out^T += V^T P^T: the head dim on M, the group on N
-            plgpu.wgmma(acc_ref, v_smem.at[slot].transpose((1, 0)), pt_smem.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, v_smem.at[v_slot].transpose((1, 0)),
+                        pt_smem.transpose((1, 0)))
 
         with jax.named_scope("pv"):
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
@@ -319,7 +325,7 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
                                           plgpu.ACC((d, group), jnp.float32))
             else:  # accumulate in place
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        pl.when(i + ns < n_mine)(lambda: issue(i + ns, slot, parts=(1,)))  # V slot is free
+        pl.when(i + nv < n_mine)(lambda: issue(i + nv, v_slot, parts=(1,)))  # V slot is free
         return acc, m_new, l_new
 
     col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -425,10 +431,11 @@ def _decode_body(*refs, num_splits, num_stages, head_dim, group, num_pages, num_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
-                                             "pdl", "approx_math", "exchange",
+                                             "num_v_stages", "pdl", "approx_math", "exchange",
                                              "l2_evict_first", "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
-                       interpret=None, num_splits=None, num_stages=None, pdl=True,
+                       interpret=None, num_splits=None, num_stages=None, num_v_stages=None,
+                       pdl=True,
                        approx_math=True, exchange=None, l2_evict_first=None,
                        profile_dir=None):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
@@ -446,6 +453,8 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
       num_splits: CTAs per (token, KV head) in {1, 2, 4, 8, 16} (a
         cluster; merged in the kernel); ``None``: :func:`default_splits`.
       num_stages: TMA ring depth in {1, 2, 3}; ``None``: :func:`default_stages`.
+      num_v_stages: the V ring's depth in {1, 2, 3} where it differs from the K ring's;
+        ``None``: ``num_stages``.
       pdl: launch with programmatic dependent launch: the kernel may start while the previous
         kernel of the stream drains and waits (``griddepcontrol.wait``) before it reads any
         input; it lets the next kernel launch once its page loop is done.
@@ -481,6 +490,9 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     stages = default_stages(d, splits, t * hkv) if num_stages is None else num_stages
     if stages not in STAGES:
         raise ValueError(f"{name}: num_stages must be one of {STAGES}, got {stages}")
+    v_stages = stages if num_v_stages is None else num_v_stages
+    if v_stages not in STAGES:
+        raise ValueError(f"{name}: num_v_stages must be one of {STAGES}, got {v_stages}")
     evict_first = (default_evict_first(splits, t * hkv) if l2_evict_first is None
                    else bool(l2_evict_first))
     gp = padded_rows(hq, hkv)
@@ -493,9 +505,10 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     if exchange == "cluster" and interpret is not None:
         raise ValueError(f"{name}: exchange 'cluster' needs the compiled kernel (interpret "
                          f"mode has no stores into a peer CTA's shared memory)")
-    need = smem_bytes(d, stages, splits, group=gp, exchange=exchange)
+    need = smem_bytes(d, stages, splits, group=gp, exchange=exchange, num_v_stages=v_stages)
     if need > SMEM_BYTES:
-        raise ValueError(f"{name}: num_stages {stages} with num_splits {splits}, D = {d}, a "
+        raise ValueError(f"{name}: num_stages {stages} (V: {v_stages}) with num_splits "
+                         f"{splits}, D = {d}, a "
                          f"GQA group of {gp} rows and exchange {exchange!r} needs {need} bytes: "
                          f"more than {SMEM_BYTES} bytes of shared memory")
     if t == 0:
@@ -512,7 +525,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         out_type += [jax.ShapeDtypeStruct((t, hkv, splits, d, gp), jnp.float32),
                      jax.ShapeDtypeStruct((t, hkv, splits, ROWS), jnp.float32)]
     ring = (plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # K ring
-            plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # V ring
+            plgpu.SMEM((v_stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # V ring
             plgpu.SMEM((gp, PAGE_SIZE), q.dtype, transforms=_TILE))         # P
     if via_global:  # after the page loop: this split's state, then the peers' tiles and LSE
         ring = plgpu.RefUnion(
@@ -524,7 +537,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         ring,
         plgpu.SMEM((ROWS,), jnp.float32),                                   # lse staging
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=v_stages),
         plgpu.Barrier(),
     ]
     if via_global:
@@ -538,9 +551,9 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
                     plgpu.SMEM((splits, gp), jnp.float32),
                     plgpu.SMEM((2,), jnp.int32)]  # the receive barrier (an mbarrier)
     body = functools.partial(
-        _decode_body, num_splits=splits, num_stages=stages, head_dim=d, group=gp,
-        num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E, dtype=q.dtype,
-        interpreting=interpret is not None, pdl=bool(pdl), exchange=exchange,
+        _decode_body, num_splits=splits, num_stages=stages, num_v_stages=v_stages, head_dim=d,
+        group=gp, num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E,
+        dtype=q.dtype, interpreting=interpret is not None, pdl=bool(pdl), exchange=exchange,
         approx_math=bool(approx_math), evict_first=evict_first)
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
     profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir) if profile_dir else {}

@@ -53,20 +53,21 @@ TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 output, P rounded to bf16 before P V
 
 
 def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first,
-                            approx_math=True, exchange=None):
+                            approx_math=True, exchange=None, num_v_stages=None):
     """Kernel vs reference on one fresh batch; raises AssertionError naming the seed."""
     args, _ = build_batch(seed, hq=hq, hkv=hkv, d=d, long_first=long_first)
     args = tuple(jnp.asarray(a) for a in args)
     scale = d ** -0.5
     out, lse = sparse_decode_mgpu(*args, scale=scale, num_splits=num_splits,
                                   num_stages=num_stages, approx_math=approx_math,
-                                  exchange=exchange)
+                                  exchange=exchange, num_v_stages=num_v_stages)
     ref_out, ref_lse = sparse_decode_reference(*args, scale=scale)
     t = args[0].shape[0]
     chex.assert_shape((out, lse), ((t, hq, d), (t, hq)))
     assert out.dtype == args[0].dtype and lse.dtype == jnp.float32
     chex.assert_tree_all_finite(out)
-    msg = f"seed {seed}, splits {num_splits}, stages {num_stages}, exchange {exchange}"
+    msg = (f"seed {seed}, splits {num_splits}, stages {num_stages} (V: {num_v_stages}), "
+           f"exchange {exchange}")
     assert float(jnp.max(jnp.abs(out.astype(jnp.float32)))) < 0.1 * POISON_V, \
         f"poison page read ({msg})"
     try:
@@ -120,6 +121,14 @@ def test_non_default_exchange(hq, hkv, d, num_splits, num_stages, long_first):
     with pytest.raises(ValueError, match="exchange 'cluster' needs the compiled kernel"):
         check_matches_reference(fresh_seed(), hq, hkv, d, num_splits, num_stages, long_first,
                                 exchange="cluster")
+
+
+@pytest.mark.parametrize("num_splits,num_stages,num_v_stages", [(1, 2, 1), (1, 1, 3), (2, 3, 1)])
+def test_v_ring_of_another_depth_matches_reference(num_splits, num_stages, num_v_stages):
+    """K and V rings of different depths: each page's K and V land in different slots, and
+    the first issue loop fills each ring to its own depth."""
+    check_matches_reference(fresh_seed(), 16, 1, 128, num_splits, num_stages, True,
+                            num_v_stages=num_v_stages)
 
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", BIG_CLUSTERS)
@@ -196,6 +205,8 @@ def test_empty_batch_and_all_padded_rows():
     (dict(dtype=jnp.float32), "bf16 or f16", TypeError),
     (dict(num_splits=32), "num_splits must be one of", ValueError),
     (dict(num_stages=4), "num_stages", ValueError),
+    (dict(num_v_stages=0), "num_v_stages must be one of", ValueError),
+    (dict(hq=64, num_splits=1, num_stages=3, num_v_stages=3), "3 \\(V: 3\\)", ValueError),
     (dict(hq=128), "GQA group Hq/Hkv = 128 exceeds 64", ValueError),
     (dict(hq=64, num_splits=1, num_stages=3), "bytes of shared memory", ValueError),
     (dict(exchange="dsmem"), "exchange must be one of", ValueError),
@@ -285,11 +296,13 @@ def test_lowers_for_h200_as_one_kernel(hq, hkv, batch):
         assert op not in text, op
 
 
-@pytest.mark.parametrize("num_splits,num_stages", [(1, 1), (1, 2), (2, 3), (4, 1), (8, 2),
-                                                   (16, 1)])
-def test_tunables_lower_for_h200(num_splits, num_stages):
+@pytest.mark.parametrize("num_splits,num_stages,num_v_stages", [
+    (1, 1, None), (1, 2, None), (2, 3, None), (4, 1, None), (8, 2, None), (16, 1, None),
+    (1, 2, 1)])
+def test_tunables_lower_for_h200(num_splits, num_stages, num_v_stages):
     text = lower_for_cuda(sparse_decode_mgpu, *_specs(16, 64, 4), scale=1.0, interpret=False,
-                          num_splits=num_splits, num_stages=num_stages)
+                          num_splits=num_splits, num_stages=num_stages,
+                          num_v_stages=num_v_stages)
     assert len(_mosaic_calls(text)) == 1
 
 
