@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._interpret import resolve_interpret
+from pallas_kernels._shapes import NUM_SMS_H200
 from pallas_kernels.sparse_decode import sparse_decode, validate_inputs
 from pallas_kernels.sparse_decode_mgpu import HEAD_DIMS, ROWS, sparse_decode_mgpu
 
-MOSAIC_MAX_ROWS = 128  # T * Hkv up to which the Mosaic GPU kernel is the default
+MOSAIC_MAX_ROWS = 2 * NUM_SMS_H200  # T * Hkv up to which the Mosaic GPU kernel is the default
 BACKENDS = ("mosaic", "triton")
 _MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

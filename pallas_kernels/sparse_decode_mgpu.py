@@ -135,11 +135,14 @@ def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 
 
 
 def smem_budget(num_splits: int, num_rows: int) -> int:
-    """Shared memory a CTA keeps to. With clusters of 8 or more over more than half the SMs
-    (``num_rows * S > 66`` CTAs): half an SM's, so two fit per SM and every cluster finds room
-    in one GPC, the grid running as one wave (at one CTA per SM some clusters wait for a
-    second). Otherwise all of it."""
+    """Shared memory a CTA keeps to. Half an SM's, so that two CTAs fit per SM: with clusters
+    of 8 or more over more than half the SMs (``num_rows * S > 66`` CTAs), so every cluster
+    finds room in one GPC and the grid runs as one wave (at one CTA per SM some clusters wait
+    for a second); and with one split over more rows than SMs, so up to 264 rows run as one
+    wave instead of two. Otherwise all of it."""
     if num_splits >= 8 and num_rows * num_splits > NUM_SMS_H200 // 2:
+        return SMEM_BYTES // 2
+    if num_splits == 1 and num_rows > NUM_SMS_H200:
         return SMEM_BYTES // 2
     return SMEM_BYTES
 

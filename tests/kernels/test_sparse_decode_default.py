@@ -39,7 +39,8 @@ def test_decode_backend_rule(rows, hq, hkv, d, dtype, interpreting, want):
     (1, 16, 1, jnp.bfloat16, "mosaic"), (4, 64, 4, jnp.bfloat16, "mosaic"),
     (16, 16, 1, jnp.bfloat16, "mosaic"), (16, 64, 4, jnp.bfloat16, "mosaic"),
     (32, 64, 4, jnp.bfloat16, "mosaic"), (128, 16, 1, jnp.bfloat16, "mosaic"),
-    (33, 64, 4, jnp.bfloat16, "triton"), (129, 16, 1, jnp.bfloat16, "triton"),
+    (66, 64, 4, jnp.bfloat16, "mosaic"), (264, 16, 1, jnp.bfloat16, "mosaic"),
+    (67, 64, 4, jnp.bfloat16, "triton"), (265, 16, 1, jnp.bfloat16, "triton"),
     (1, 16, 1, jnp.float32, "triton"),
 ])
 def test_lowers_to_the_chosen_kernel_for_h200(t, hq, hkv, dtype, want):

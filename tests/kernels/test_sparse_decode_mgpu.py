@@ -256,7 +256,7 @@ def test_default_exchange_is_cluster_where_its_receive_buffer_fits():
 
 
 def test_default_ring_fits_the_budget_of_every_row_count():
-    for rows in (1, 8, 9, 16, 32, 64, 128):
+    for rows in (1, 8, 9, 16, 32, 64, 128, 133, 200, 264, 512):
         s = default_splits(rows)
         assert smem_bytes(128, default_stages(128, s, rows), s) <= smem_budget(s, rows)
     assert smem_budget(8, 16) == SMEM_BYTES // 2 and default_stages(128, 8, 16) == 1
@@ -275,6 +275,21 @@ def test_default_stages_leave_room_for_two_ctas_when_clusters_of_8_fill_the_gpu(
             assert stages == default_stages(d, 8)
     assert default_stages(128, 8, rows) == (1 if rows * 8 > NUM_SMS_H200 // 2 else 2)
     assert default_stages(128, 2, rows) == 2  # smaller clusters: unaffected
+
+
+@pytest.mark.parametrize("rows", [128, 132, 133, 192, 256, 264])
+def test_one_split_over_more_rows_than_sms_keeps_to_half_an_sm(rows):
+    """From 133 rows on, one split per row keeps to half an SM's shared memory, so that two
+    CTAs share an SM and up to 264 rows run as one wave: a 1-deep ring at D 128 (a 2-deep
+    one at D 64 still fits); up to 132 rows the 2-deep ring stays. Each fits its budget with
+    the largest GQA group."""
+    crowded = rows > NUM_SMS_H200
+    assert default_splits(rows) == 1
+    assert smem_budget(1, rows) == (SMEM_BYTES // 2 if crowded else SMEM_BYTES)
+    assert default_stages(128, 1, rows) == (1 if crowded else 2)
+    assert default_stages(64, 1, rows) == 2
+    for d in (64, 128):
+        assert smem_bytes(d, default_stages(d, 1, rows), 1, group=ROWS) <= smem_budget(1, rows)
 
 
 def _mosaic_calls(text):
