@@ -10,7 +10,7 @@ the same device buffers (DLPack) in one process:
   * indexer + select, fp8 (ours the same default): the same e4m3 index queries (bf16 rounded
     to e4m3) over the same e4m3 index-K cache on both sides, an fp8 x fp8 dot on each;
     bytes B*L*128 (on the L=65536 shapes unless --fp8 all);
-  * sparse decode: ours `sparse_decode_default` (Mosaic GPU at T*Hkv <= 128, else Triton) vs
+  * sparse decode: ours `sparse_decode_default` (Mosaic GPU at T*Hkv <= 264, else Triton) vs
     vLLM's `minimax_m3_sparse_attn_decode`, both on OUR selection; bytes = K and V of 16
     pages per KV head, B*Hkv*16*128*256*2;
   * the copy bandwidth (the roofline) in the same process.
@@ -54,6 +54,7 @@ from _shapes_inputs import (FP8, HEAD_DIM, Shape, all_shapes, make_inputs,  # no
 from pallas_kernels import TOPK  # noqa: E402
 from pallas_kernels.index_select import msa_index_select, msa_index_select_reference  # noqa: E402
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference  # noqa: E402
+from pallas_kernels.sparse_decode_default import decode_backend  # noqa: E402
 
 OPS = ("indexer", "indexer_fp8", "decode")
 OP_LABEL = {"indexer": "idx+sel bf16", "indexer_fp8": "idx+sel fp8", "decode": "decode"}
@@ -242,7 +243,10 @@ def bench_shape(shape: Shape, vllm, *, reps: int, trials: int, rounds: int, seed
     if fp8:
         ours["indexer_fp8"] = (our_indexer, (x8,))
     row = {"hq": shape.hq, "hkv": shape.hkv, "batch": shape.batch, "context": shape.context,
-           "bytes": {k: v for k, v in op_bytes(shape).items() if k in OPS}}
+           "bytes": {k: v for k, v in op_bytes(shape).items() if k in OPS},
+           "decode_backend": decode_backend(shape.batch * shape.hkv, shape.hq, shape.hkv,
+                                            HEAD_DIM, x["q"].dtype,
+                                            interpreting=not _common.ON_GPU)}
     compiled, results = {}, {}
     for name, (f, a) in ours.items():
         compiled[name] = compile_op(f, *a)
@@ -469,7 +473,8 @@ def print_row(r: dict) -> None:
              f"{o['host_us_per_dispatch']:.1f} us per executable of {o['calls_per_dispatch']} "
              f"calls vs its flushes {o['flush_us']:.1f} us"
              f"{'; GPU clock' if o.get('gpu_clock') else ''}"
-             f"{'' if o['gpu_bound'] else ': HOST-BOUND'}]")
+             f"{'' if o['gpu_bound'] else ': HOST-BOUND'}"
+             f"{'; ' + r['decode_backend'] if op == 'decode' and 'decode_backend' in r else ''}]")
         v = r.get("vllm", {}).get(op)
         if v and v.get("us"):
             e = v["eager"]
