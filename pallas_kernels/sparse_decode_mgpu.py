@@ -6,10 +6,10 @@ CTAs of one warpgroup each (``S`` up to 16, a non-portable cluster size that Hop
 Every CTA reads the token's 16 block ids and metadata as scalars, applies the safety boundary,
 gathers the 16 page ids from the block table and ranks the consumed slots (stable order), so no
 later step has a dependent global load. CTA ``c`` of the cluster owns the consumed slots
-``c, c + S, c + 2S, ...``: it streams their pages through a ``num_stages``-deep ring of
-shared-memory buffers with TMA copies (K and V of a page, ``[128, D]`` each, separate barriers;
-the page id is a dynamic TMA coordinate; with ``l2_evict_first`` the page loads mark their L2
-lines as the first to be replaced) and runs the online softmax (base 2, the hardware's
+``c, c + S, c + 2S, ...``: it streams their pages through rings of shared-memory buffers
+(``num_stages`` deep for K, ``num_v_stages`` for V) with TMA copies (K and V of a page,
+``[128, D]`` each, separate barriers; the page id is a dynamic TMA coordinate; with
+``l2_evict_first`` the page loads mark their L2 lines as the first to be replaced) and runs the online softmax (base 2, the hardware's
 approximate ``exp2``, finite mask value) with wgmma in transposed form, so that the GQA group
 (padded to a multiple of 8) is the wgmma's N and no row is padding: ``S^T = K Q^T`` (keys on M,
 the softmax reduces over them across the warps), ``P`` stored transposed as ``[group, 128]``,
@@ -438,8 +438,7 @@ def _decode_body(*refs, num_splits, num_stages, num_v_stages, head_dim, group, n
                                              "l2_evict_first", "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                        interpret=None, num_splits=None, num_stages=None, num_v_stages=None,
-                       pdl=True,
-                       approx_math=True, exchange=None, l2_evict_first=None,
+                       pdl=True, approx_math=True, exchange=None, l2_evict_first=None,
                        profile_dir=None):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
     :func:`pallas_kernels.sparse_decode.sparse_decode`.
