@@ -13,8 +13,9 @@ later step has a dependent global load. CTA ``c`` of the cluster owns the consum
 the online softmax (base 2, the hardware's approximate ``exp2``, finite mask value) with wgmma
 in transposed form, so that the GQA group (padded to a multiple of 8) is the wgmma's N and no
 row is padding: ``S^T = K Q^T`` (keys on M, the softmax reduces over them across the warps),
-``P`` stored transposed as ``[group, 128]``, ``acc^T += V^T P^T`` (head dim on M). A slot's next K is issued as soon as ``S^T`` has read it.
-With ``S > 1`` the split merge happens inside the kernel. Each CTA normalises its state
+``P`` stored transposed as ``[group, 128]``, ``acc^T += V^T P^T`` (head dim on M). A slot's
+next K is issued as soon as ``S^T`` has read it. With ``S > 1`` the split merge happens inside
+the kernel. Each CTA normalises its state
 (``out^T [D, group]`` f32 and the base-2 LSE); split ``k`` weighs ``2^(lse_k - max lse)``.
 Two transports (``exchange``): ``"cluster"``: every thread stores its registers of the state
 straight into the shared memory of the CTA that merges those head dims (``st.async``; CTA
