@@ -160,10 +160,12 @@ def default_stages(head_dim: int, num_splits: int, num_rows: int = 1) -> int:
 
 
 def default_exchange(head_dim: int, num_splits: int, num_stages: int, num_rows: int,
-                     group: int = ROWS) -> str:
+                     group: int = ROWS, num_v_stages: int | None = None) -> str:
     """``"cluster"`` (split states written straight into the merging CTA's shared memory)
-    where its receive buffer fits :func:`smem_budget` beside the ring, else ``"global"``."""
-    need = smem_bytes(head_dim, num_stages, num_splits, group=group, exchange="cluster")
+    where its receive buffer fits :func:`smem_budget` beside the rings (V ``num_v_stages``
+    deep, default as the K ring), else ``"global"``."""
+    need = smem_bytes(head_dim, num_stages, num_splits, group=group, exchange="cluster",
+                      num_v_stages=num_v_stages)
     return "cluster" if need <= smem_budget(num_splits, num_rows) else "global"
 
 
@@ -501,8 +503,8 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     gp = padded_rows(hq, hkv)
     interpret = mosaic_interpret_params(interpret, inline_mgpu="ignore")  # skips inline fences
     if exchange is None:
-        exchange = "global" if interpret is not None else default_exchange(d, splits, stages,
-                                                                             t * hkv, gp)
+        exchange = "global" if interpret is not None else default_exchange(
+            d, splits, stages, t * hkv, gp, num_v_stages=v_stages)
     if exchange not in EXCHANGES:
         raise ValueError(f"{name}: exchange must be one of {EXCHANGES}, got {exchange!r}")
     if exchange == "cluster" and interpret is not None:

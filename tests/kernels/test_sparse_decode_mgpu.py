@@ -250,6 +250,10 @@ def test_default_exchange_is_cluster_where_its_receive_buffer_fits():
         assert default_exchange(128, s, st, rows, group=16) == "cluster", rows
         assert smem_bytes(128, st, s, group=16, exchange="cluster") <= smem_budget(s, rows)
     assert default_exchange(128, 8, 1, 16, group=64) == "global"
+    # the V ring's depth counts: 2 splits of a group of 64 fit the cluster exchange beside
+    # 2-deep rings, not beside a 3-deep V ring
+    assert default_exchange(128, 2, 2, 64, group=64) == "cluster"
+    assert default_exchange(128, 2, 2, 64, group=64, num_v_stages=3) == "global"
     for splits in (2, 4, 8, 16):  # receive buffers: D / S head dims and an LSE row per split
         assert (smem_bytes(128, 1, splits, group=16, exchange="cluster")
                 - smem_bytes(128, 1, 1, group=16)) == splits * (128 // splits + 1) * 16 * 4
