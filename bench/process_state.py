@@ -45,10 +45,6 @@ import jax  # noqa: E402
 
 from _shapes_inputs import all_shapes, make_inputs, our_decode, our_indexer  # noqa: E402
 
-STAGES = ("jax", "torch_init", "torch_flush", "vllm_ops", "vllm_graph", "vllm_timed",
-          "new_inputs", "torch_freed")
-
-
 def gpu_clocks() -> str:
     """nvidia-smi's SM and memory clocks, temperature and power, or why they are missing."""
     try:
@@ -99,10 +95,11 @@ def main(argv=None) -> int:
 
     def measure(stage: str) -> None:
         runs = [_common.time_jax(our_decode, (x, selected), n=args.reps, trials=args.trials,
-                                 l2="cold").as_dict() for _ in range(args.repeat)]
-        us = [s for r in runs for s in r["samples_us"]]
-        row = {"stage": stage, "us": sorted(us)[len(us) // 2], "samples_us": us,
-               "flush_us": [r["flush_us"] for r in runs],
+                                 l2="cold") for _ in range(args.repeat)]
+        samples = [s for r in runs for s in r.samples_s]
+        us = [round(s * 1e6, 3) for s in samples]
+        row = {"stage": stage, "us": _common.median_us(samples), "samples_us": us,
+               "flush_us": [round(r.flush_us, 2) for r in runs],
                "copy_TBps": round(_common.copy_bandwidth()["copy_Bps"] / 1e12, 3),
                "clocks": gpu_clocks()}
         result["stages"].append(row)
