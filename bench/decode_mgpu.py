@@ -9,8 +9,7 @@ the library ``exp2``/``log2`` instead of the default approximate instructions
 at a GQA group of at most 16), with clusters of 1, 2, 4 or 8 (``mgpu_s1`` ... ``mgpu_s8``),
 with the page loads' L2 evict-first hint forced on or off (``mgpu_evict``, ``mgpu_l2normal``; with a
 cluster size: ``mgpu_s2_evict``, ``mgpu_s2_evict_st3``, ``mgpu_s4_evict``, ``mgpu_s8_evict``),
-with the softmax denominator summed per page instead of once after the page loop
-(``mgpu_psum``, ``mgpu_s8_psum``), and the Triton decode.
+and the Triton decode.
 
 Shapes: Hq/Hkv 16/1 and 64/4, D 128, B decode tokens in 1/16/64/128, every request at context
 L in 8192/65536 with a random page permutation, 16 distinct selected blocks per (token, KV
@@ -136,8 +135,6 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
     "mgpu_st1": mgpu_fn(num_stages=1),
     "mgpu_st1_evict": mgpu_fn(num_stages=1, l2_evict_first=True),
     "mgpu_k2v1": mgpu_fn(num_stages=2, num_v_stages=1),
-    "mgpu_psum": mgpu_fn(deferred_sum=False),
-    "mgpu_s8_psum": mgpu_fn(num_splits=8, deferred_sum=False),
     "mgpu_global": mgpu_fn(exchange="global"),
     "mgpu_l2normal": mgpu_fn(l2_evict_first=False),
     "mgpu_evict": mgpu_fn(l2_evict_first=True),

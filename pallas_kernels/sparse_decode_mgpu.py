@@ -65,7 +65,6 @@ MAX_DEFAULT_STAGES = 2  # a 2-deep ring measured faster than a 3-deep one (bench
 HEAD_DIMS = (64, 128)  # multiples of the 64-element (128-byte) swizzle tile; register budget
 SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
 FILL_CTAS = 64  # default splits: smallest power of two with rows * splits >= this (max 16)
-DEFERRED_SUM_ROWS = 32  # groups up to this many rows keep the denominator per key
 MERGE_ROWS = 64  # a merge task's head dims: the rows of its [64, 8] f32 WGMMA-layout tiles
 MERGE_COLS = 8  # a merge task's group rows (the tiles' columns)
 TILE_BYTES = MERGE_ROWS * MERGE_COLS * 4  # one [64, 8] f32 merge tile
@@ -104,13 +103,6 @@ def default_evict_first(num_splits: int, num_rows: int) -> bool:
     faster (bench/RESULTS.md); larger clusters and grids of several waves keep the normal
     policy."""
     return num_splits <= 2 and num_rows * num_splits <= NUM_SMS_H200
-
-
-def default_deferred_sum(group: int) -> bool:
-    """Whether the softmax denominator is summed over the keys once, after the page loop, by
-    default: for groups of at most :data:`DEFERRED_SUM_ROWS` padded rows, whose ``[128,
-    group]`` f32 tile costs at most 32 registers per thread."""
-    return group <= DEFERRED_SUM_ROWS
 
 
 def merge_tasks(head_dim: int, group: int, num_splits: int) -> int:
@@ -215,7 +207,7 @@ def _merge_splits(num_splits, load_out, load_lse):
 
 def _decode_body(*refs, num_splits, num_stages, num_v_stages, head_dim, group, num_pages, num_rows,
                  num_cols, scale_log2, dtype, interpreting, pdl, exchange, approx_math,
-                 evict_first, deferred_sum):
+                 evict_first):
     s_, ns, nv, d = num_splits, num_stages, num_v_stages, head_dim
     via_global = s_ > 1 and exchange == "global"
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
@@ -313,10 +305,7 @@ def _decode_body(*refs, num_splits, num_stages, num_v_stages, head_dim, group, n
             m_new = jnp.maximum(m, st.max(axis=0))
             alpha = jnp.exp2(m - m_new)
             pt = jnp.exp2(st - lax.broadcast_in_dim(m_new, st.shape, [1]))
-            if deferred_sum:  # per key lane, no cross-warp sum: reduced after the loop
-                l_new = l * lax.broadcast_in_dim(alpha, st.shape, [1]) + pt
-            else:
-                l_new = alpha * l + pt.sum(axis=0)
+            l_new = alpha * l + pt.sum(axis=0)
         with jax.named_scope("p_store"):  # P [group, 128]: P V's B operand, read transposed
             pt_smem.transpose((1, 0))[...] = pt.astype(dtype)
             plgpu.commit_smem()
@@ -348,12 +337,8 @@ def _decode_body(*refs, num_splits, num_stages, num_v_stages, head_dim, group, n
     col_layout = plgpu.Layout.WGMMA.reduce(0)
     init = (plgpu.layout_cast(jnp.zeros((d, group), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((group,), MASK, jnp.float32), col_layout),
-            plgpu.layout_cast(jnp.zeros((PAGE_SIZE, group) if deferred_sum else (group,),
-                                        jnp.float32),
-                              plgpu.Layout.WGMMA if deferred_sum else col_layout))
+            plgpu.layout_cast(jnp.zeros((group,), jnp.float32), col_layout))
     acc, m, l = lax.fori_loop(0, n_mine, step, init)  # acc^T [D, group], m and l [group]
-    if deferred_sum:  # l was [128, group]: the sum over the keys, once
-        l = l.sum(axis=0)
     if pdl and not interpreting:  # the next kernel may start its prologue (it waits for us)
         plgpu.griddepcontrol_launch_dependents()
 
@@ -453,12 +438,11 @@ def _decode_body(*refs, num_splits, num_stages, num_v_stages, head_dim, group, n
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "num_stages",
                                              "num_v_stages", "pdl", "approx_math", "exchange",
-                                             "l2_evict_first", "deferred_sum",
-                                             "profile_dir"))
+                                             "l2_evict_first", "profile_dir"))
 def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens, *, scale,
                        interpret=None, num_splits=None, num_stages=None, num_v_stages=None,
                        pdl=True, approx_math=True, exchange=None, l2_evict_first=None,
-                       deferred_sum=None, profile_dir=None):
+                       profile_dir=None):
     """MSA sparse decode on Mosaic GPU; arguments, results and safety boundary as
     :func:`pallas_kernels.sparse_decode.sparse_decode`.
 
@@ -489,9 +473,6 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
       l2_evict_first: the page loads' L2 policy: ``True``, evict-first (a page is read once);
         ``False``, the normal policy; ``None``: :func:`default_evict_first`. Values are the
         same either way.
-      deferred_sum: the softmax denominator kept per key as a ``[128, group]`` f32 tile and
-        summed over the keys once after the page loop (one cross-warp reduction per page
-        fewer); ``False``: summed per page; ``None``: :func:`default_deferred_sum`.
       profile_dir: a directory: each call writes a Perfetto trace there of the kernel's named
         regions per CTA (Mosaic GPU's profiler; a debugging aid, compiled only).
     Returns:
@@ -578,8 +559,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
         _decode_body, num_splits=splits, num_stages=stages, num_v_stages=v_stages, head_dim=d,
         group=gp, num_pages=n, num_rows=r, num_cols=p, scale_log2=float(scale) * LOG2E,
         dtype=q.dtype, interpreting=interpret is not None, pdl=bool(pdl), exchange=exchange,
-        approx_math=bool(approx_math), evict_first=evict_first,
-        deferred_sum=default_deferred_sum(gp) if deferred_sum is None else bool(deferred_sum))
+        approx_math=bool(approx_math), evict_first=evict_first)
     cluster = dict(cluster=(splits,), cluster_names=("c",)) if splits > 1 else {}
     profile = dict(profile_space=PROFILE_EVENTS, profile_dir=profile_dir) if profile_dir else {}
     params = plgpu.CompilerParams(approx_math=bool(approx_math), **profile)
@@ -592,6 +572,5 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
 
 
 __all__ = ["sparse_decode_mgpu", "default_splits", "default_stages", "default_exchange",
-           "default_evict_first", "default_deferred_sum", "smem_bytes", "smem_budget",
-           "merge_tasks", "padded_rows",
+           "default_evict_first", "smem_bytes", "smem_budget", "merge_tasks", "padded_rows",
            "SPLITS", "STAGES", "HEAD_DIMS", "ROWS", "EXCHANGES"]

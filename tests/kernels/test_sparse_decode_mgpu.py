@@ -53,23 +53,21 @@ TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 output, P rounded to bf16 before P V
 
 
 def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first,
-                            approx_math=True, exchange=None, num_v_stages=None,
-                            deferred_sum=None):
+                            approx_math=True, exchange=None, num_v_stages=None):
     """Kernel vs reference on one fresh batch; raises AssertionError naming the seed."""
     args, _ = build_batch(seed, hq=hq, hkv=hkv, d=d, long_first=long_first)
     args = tuple(jnp.asarray(a) for a in args)
     scale = d ** -0.5
     out, lse = sparse_decode_mgpu(*args, scale=scale, num_splits=num_splits,
                                   num_stages=num_stages, approx_math=approx_math,
-                                  exchange=exchange, num_v_stages=num_v_stages,
-                                  deferred_sum=deferred_sum)
+                                  exchange=exchange, num_v_stages=num_v_stages)
     ref_out, ref_lse = sparse_decode_reference(*args, scale=scale)
     t = args[0].shape[0]
     chex.assert_shape((out, lse), ((t, hq, d), (t, hq)))
     assert out.dtype == args[0].dtype and lse.dtype == jnp.float32
     chex.assert_tree_all_finite(out)
     msg = (f"seed {seed}, splits {num_splits}, stages {num_stages} (V: {num_v_stages}), "
-           f"exchange {exchange}, deferred_sum {deferred_sum}")
+           f"exchange {exchange}")
     assert float(jnp.max(jnp.abs(out.astype(jnp.float32)))) < 0.1 * POISON_V, \
         f"poison page read ({msg})"
     try:
@@ -131,15 +129,6 @@ def test_v_ring_of_another_depth_matches_reference(num_splits, num_stages, num_v
     the first issue loop fills each ring to its own depth."""
     check_matches_reference(fresh_seed(), 16, 1, 128, num_splits, num_stages, True,
                             num_v_stages=num_v_stages)
-
-
-@pytest.mark.parametrize("hq,num_splits,num_stages,deferred_sum", [
-    (16, 1, 2, False), (16, 2, 1, False), (64, 1, 2, True)])
-def test_softmax_sum_either_way_matches_reference(hq, num_splits, num_stages, deferred_sum):
-    """The denominator summed per page (the default above 32 rows, forced here at 16) and
-    kept per key until after the loop (the default up to 32 rows, forced here at 64)."""
-    check_matches_reference(fresh_seed(), hq, 1, 128, num_splits, num_stages, True,
-                            deferred_sum=deferred_sum)
 
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", BIG_CLUSTERS)
