@@ -5,9 +5,10 @@ the library ``exp2``/``log2`` instead of the default approximate instructions
 (``approx_math=False``), with the split states exchanged through global memory
 (``mgpu_global``), with a 2-deep ring (``mgpu_st2``; 2 splits: ``mgpu_s2_st2``), a
 3-deep ring (``mgpu_st3``), a 1-deep ring that lets two CTAs share an SM (``mgpu_st1``,
-``mgpu_st1_evict``) or a 2-deep K ring with a 1-deep V ring (``mgpu_k2v1``, also two per SM
-at a GQA group of at most 16), with clusters of 1, 2, 4 or 8 (``mgpu_s1`` ... ``mgpu_s8``),
-with the page loads' L2 evict-first hint forced on or off (``mgpu_evict``, ``mgpu_l2normal``; with a
+``mgpu_st1_evict``; with 2 or 4 splits: ``mgpu_s2_st1``, ``mgpu_s4_st1``, each also
+``_evict``) or a 2-deep K ring with a 1-deep V ring (``mgpu_k2v1``, also two per SM at a GQA
+group of at most 16), with clusters of 1, 2, 4 or 8 (``mgpu_s1`` ... ``mgpu_s8``), with the
+page loads' L2 evict-first hint forced on or off (``mgpu_evict``, ``mgpu_l2normal``; with a
 cluster size: ``mgpu_s2_evict``, ``mgpu_s2_evict_st3``, ``mgpu_s4_evict``, ``mgpu_s8_evict``),
 and the Triton decode.
 
@@ -143,6 +144,10 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
     "mgpu_s2_evict": mgpu_fn(num_splits=2, l2_evict_first=True),
     "mgpu_s2_evict_st3": mgpu_fn(num_splits=2, num_stages=3, l2_evict_first=True),
     "mgpu_s4_evict": mgpu_fn(num_splits=4, l2_evict_first=True),
+    "mgpu_s2_st1": mgpu_fn(num_splits=2, num_stages=1),
+    "mgpu_s2_st1_evict": mgpu_fn(num_splits=2, num_stages=1, l2_evict_first=True),
+    "mgpu_s4_st1": mgpu_fn(num_splits=4, num_stages=1),
+    "mgpu_s4_st1_evict": mgpu_fn(num_splits=4, num_stages=1, l2_evict_first=True),
     "mgpu_s8": mgpu_fn(num_splits=8),
     "mgpu_s8_evict": mgpu_fn(num_splits=8, l2_evict_first=True),
     "triton": triton_fn,
