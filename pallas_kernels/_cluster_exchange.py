@@ -36,13 +36,6 @@ def cluster_wait(_ctx):
     mgpu_utils.inline_ptx("barrier.cluster.wait.aligned;", has_side_effects=True)
 
 
-@plgpu.inline_mgpu()
-def cluster_arrive(_ctx):
-    """Every thread: ``barrier.cluster.arrive`` (release); :func:`cluster_wait` completes
-    the phase."""
-    mgpu_utils.inline_ptx("barrier.cluster.arrive.aligned;", has_side_effects=True)
-
-
 @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
 def init_receive_barrier(_ctx, mbar):
     """Before the main loop: one thread initialises the receive barrier (``mbar``: 8 bytes of
@@ -58,105 +51,52 @@ def init_receive_barrier(_ctx, mbar):
     mgpu_utils.inline_ptx("barrier.cluster.arrive.relaxed.aligned;", has_side_effects=True)
 
 
-def _expect_bytes(recv, mbar):
-    """Thread ``o < S`` arrives once on CTA ``o``'s receive barrier, expecting the bytes this
-    CTA sends there: its ``[R + 1, G]`` f32 share of ``recv``."""
-    i32 = ir.IntegerType.get_signless(32)
-    num_splits, rows, group = ir.MemRefType(recv.type).shape
-    c = mgpu_utils.c
-    tid = arith.remui(mgpu_utils.thread_idx(), c(128, i32))
-    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, tid, c(num_splits, i32))):
-        mgpu_utils.inline_ptx(
-            "mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [$0], $1;",
-            mgpu_utils.get_cluster_ptr(mgpu_utils.memref_ptr(mbar), tid, generic=False),
-            c(rows * group * 4, i32), has_side_effects=True)
-    return tid
-
-
-def _share_offsets(out_t, num_rows, group):
-    """Per register of ``out_t [D, G]`` (WGMMA layout): (register index, owner CTA, row ``r``
-    within the owner's ``R = num_rows`` head dims, column), as i32 values; the register holds
-    columns ``col`` and ``col + 1`` of head dim ``owner * R + r``."""
-    i32 = ir.IntegerType.get_signless(32)
-    c = mgpu_utils.c
-    for (row, col), reg in zip(out_t.layout.thread_idxs(out_t.shape),
-                               np.ndindex(out_t.registers.shape), strict=True):
-        row, col = arith.index_cast(i32, row), arith.index_cast(i32, col)
-        yield (reg, arith.divui(row, c(num_rows, i32)), arith.remui(row, c(num_rows, i32)),
-               col)
-
-
 @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(),
-                              plgpu.RefType()))
-def send_state(_ctx, out_t, lse_t, recv, mbar):
-    """Stores this split's state into the shared memory of the CTAs that merge it, element
-    pairs by ``st.async`` from registers.
+                              plgpu.RefType(), plgpu.RefType()))
+def send_state(_ctx, out_t, lse_t, recv_out, recv_lse, mbar):
+    """Stores this split's state into the shared memory of the CTAs that merge it.
 
     ``out_t`` and ``lse_t``: ``[D, G]`` f32 (WGMMA layout), the normalised out^T and the
     base-2 LSE broadcast over the head dim. CTA ``o`` of the cluster merges head dims
     ``[o R, (o + 1) R)`` with ``R = D / S``; this CTA (rank ``k``) writes its rows of that
-    range to ``recv[k, :R]`` and its LSE row to ``recv[k, R]`` (``recv [S, R + 1, G]`` f32)
-    of CTA ``o``, counted by the receiver's barrier ``mbar``. Nothing waits on this side."""
+    range to ``recv_out[k]`` (``[S, R, G]`` f32) of CTA ``o`` and its LSE row to
+    ``recv_lse[k]`` (``[S, G]`` f32) of every CTA, by ``st.async`` from registers, counted
+    by the receiver's barrier ``mbar``: thread ``o < S`` arrives once on CTA ``o``'s barrier,
+    expecting the bytes this CTA sends there. Nothing waits on this side."""
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
     f32 = ir.F32Type.get()
-    num_splits, rows, group = ir.MemRefType(recv.type).shape
+    num_splits, num_rows, group = ir.MemRefType(recv_out.type).shape
     c = mgpu_utils.c
     me = arith.index_cast(i32, gpu.cluster_block_id(gpu.Dimension.x))
-    mbar_ptr, recv_ptr = mgpu_utils.memref_ptr(mbar), mgpu_utils.memref_ptr(recv)
-    _expect_bytes(recv, mbar)
+    mbar_ptr = mgpu_utils.memref_ptr(mbar)
+    out_ptr, lse_ptr = mgpu_utils.memref_ptr(recv_out), mgpu_utils.memref_ptr(recv_lse)
+    tid = arith.remui(mgpu_utils.thread_idx(), c(128, i32))
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, tid, c(num_splits, i32))):
+        mgpu_utils.inline_ptx(
+            "mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [$0], $1;",
+            mgpu_utils.get_cluster_ptr(mbar_ptr, tid, generic=False),
+            c((num_rows + 1) * group * 4, i32), has_side_effects=True)
 
-    def store(offset, owner, value):
-        dst = mgpu_utils.get_cluster_ptr(mgpu_utils.getelementptr(recv_ptr, [offset], f32),
-                                         owner, generic=False)
+    def store(ptr, offset, owner, value):
+        dst = mgpu_utils.get_cluster_ptr(mgpu_utils.getelementptr(ptr, [offset], f32), owner,
+                                         generic=False)
         bar = mgpu_utils.get_cluster_ptr(mbar_ptr, owner, generic=False)
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"), [dst, mgpu_utils.bitcast(value, i64), bar],
             "st.async.cluster.shared::cluster.mbarrier::complete_tx::bytes.b64 [$0], $1, [$2];",
             "l,l,l", has_side_effects=True)
 
-    base = arith.muli(me, c(rows * group, i32))  # my share in every owner's recv
-    for reg, owner, r, col in _share_offsets(out_t, rows - 1, group):
-        store(arith.addi(base, arith.addi(arith.muli(r, c(group, i32)), col)), owner,
-              out_t.registers[reg])
+    for (row, col), reg in zip(out_t.layout.thread_idxs(out_t.shape),
+                               np.ndindex(out_t.registers.shape), strict=True):
+        row, col = arith.index_cast(i32, row), arith.index_cast(i32, col)
+        owner = arith.divui(row, c(num_rows, i32))
+        r = arith.remui(row, c(num_rows, i32))
+        flat = arith.addi(arith.muli(arith.addi(arith.muli(me, c(num_rows, i32)), r),
+                                     c(group, i32)), col)
+        store(out_ptr, flat, owner, out_t.registers[reg])
         with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, r, c(0, i32))):
-            store(arith.addi(base, arith.addi(c((rows - 1) * group, i32), col)), owner,
+            store(lse_ptr, arith.addi(arith.muli(me, c(group, i32)), col), owner,
                   lse_t.registers[reg])
-
-
-@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(),
-                              plgpu.RefType(), plgpu.RefType()))
-def send_state_bulk(_ctx, out_t, lse_t, stage, recv, mbar):
-    """As :func:`send_state`, through this CTA's shared memory: every thread stores its
-    registers into ``stage`` (``[S * (R + 1) * G]`` f32, laid out as the ``S`` shares, each
-    ``[R + 1, G]`` as in ``recv``), then thread ``o < S`` copies share ``o`` into CTA ``o``'s
-    ``recv[k]`` with one bulk copy (``cp.async.bulk`` shared::cta -> shared::cluster)
-    counted by that CTA's barrier. ``stage`` must not be read or written until the copies
-    are done: the caller's kernel ends without reusing it."""
-    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-    num_splits, rows, group = ir.MemRefType(recv.type).shape
-    c = mgpu_utils.c
-    share = rows * group  # f32 elements of one share
-    me = arith.index_cast(i32, gpu.cluster_block_id(gpu.Dimension.x))
-    stage_ptr, recv_ptr = mgpu_utils.memref_ptr(stage), mgpu_utils.memref_ptr(recv)
-    mbar_ptr = mgpu_utils.memref_ptr(mbar)
-    for reg, owner, r, col in _share_offsets(out_t, rows - 1, group):
-        at = arith.addi(arith.muli(owner, c(share, i32)), col)
-        llvm.store(out_t.registers[reg], mgpu_utils.getelementptr(
-            stage_ptr, [arith.addi(at, arith.muli(r, c(group, i32)))], f32))
-        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, r, c(0, i32))):
-            llvm.store(lse_t.registers[reg], mgpu_utils.getelementptr(
-                stage_ptr, [arith.addi(at, c((rows - 1) * group, i32))], f32))
-    mgpu_utils.commit_shared()  # the stores, visible to the bulk copies (async proxy)
-    tid = _expect_bytes(recv, mbar)
-    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, tid, c(num_splits, i32))):
-        src = mgpu_utils.getelementptr(stage_ptr, [arith.muli(tid, c(share, i32))], f32)
-        dst = mgpu_utils.getelementptr(recv_ptr, [arith.muli(me, c(share, i32))], f32)
-        llvm.inline_asm(
-            ir.Type.parse("!llvm.void"),
-            [mgpu_utils.get_cluster_ptr(dst, tid, generic=False), src, c(share * 4, i32),
-             mgpu_utils.get_cluster_ptr(mbar_ptr, tid, generic=False)],
-            "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes"
-            " [$0], [$1], $2, [$3];", "l,r,r,l", has_side_effects=True)
 
 
 @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
@@ -178,16 +118,15 @@ def merge_received(approx: bool):
     exp2 = unary("ex2.approx.ftz.f32", mlir_math.exp2)
     log2 = unary("lg2.approx.ftz.f32", mlir_math.log2)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
-    def merge(_ctx, recv, out_ref, lse_ref):
-        """``recv [S, R + 1, G]`` f32 (this CTA's range of head dims from every split, then
-        the split's LSE row) into ``out_ref [G, D]`` (q's dtype) and, on the cluster's CTA 0,
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)
+    def merge(_ctx, recv_out, recv_lse, out_ref, lse_ref):
+        """``recv_out [S, R, G]`` and ``recv_lse [S, G]`` f32 (this CTA's range of head dims
+        from every split) into ``out_ref [G, D]`` (q's dtype) and, on the cluster's CTA 0,
         ``lse_ref [G]`` f32 (natural log). Split ``k`` weighs ``2^(lse_k - max lse)``; splits
         without a visible key (lse -inf) weigh 0, a row none saw gives zeros and -inf, NaN
         propagates. One element per thread and step."""
         index, i32, f32 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get()
-        num_splits, num_rows, group = ir.MemRefType(recv.type).shape
-        num_rows -= 1  # the last row is the LSE
+        num_splits, num_rows, group = ir.MemRefType(recv_out.type).shape
         out_dtype = ir.MemRefType(out_ref.type).element_type
         c = mgpu_utils.c
         me = gpu.cluster_block_id(gpu.Dimension.x)
@@ -201,14 +140,13 @@ def merge_received(approx: bool):
         def element(e):  # e = col * R + r: consecutive threads write consecutive head dims
             col = arith.divui(e, c(num_rows, index))
             r = arith.remui(e, c(num_rows, index))
-            lses = [memref.load(recv, [c(k, index), c(num_rows, index), col])
-                    for k in range(num_splits)]
+            lses = [memref.load(recv_lse, [c(k, index), col]) for k in range(num_splits)]
             top = functools.reduce(arith.maximumf, lses)
             top = arith.select(arith.cmpf(eq, top, ninf), fzero, top)
             total, acc = fzero, fzero
             for k in range(num_splits):
                 w = exp2(arith.subf(lses[k], top))
-                part = memref.load(recv, [c(k, index), r, col])
+                part = memref.load(recv_out, [c(k, index), r, col])
                 total = arith.addf(total, w)
                 acc = arith.addf(acc, arith.mulf(w, part))
             empty = arith.cmpf(eq, total, fzero)

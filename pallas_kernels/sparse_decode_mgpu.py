@@ -71,7 +71,7 @@ TILE_BYTES = MERGE_ROWS * MERGE_COLS * 4  # one [64, 8] f32 merge tile
 PROFILE_EVENTS = 256  # named-region events per warpgroup and call when profiling
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit wgmma operands
-EXCHANGES = ("cluster", "global", "cluster_st")  # how a split's state reaches the CTAs that merge it
+EXCHANGES = ("cluster", "global")  # how a split's state reaches the CTAs that merge it
 _MERGE_COL = plgpu.Layout.WGMMA.reduce(0)  # a [8] vector along a merge tile's columns
 
 
@@ -126,7 +126,7 @@ def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 
     fixed = q + ROWS * 4 + SMEM_RESERVE
     if num_splits == 1:
         return ring + fixed
-    if exchange in ("cluster", "cluster_st"):
+    if exchange == "cluster":
         return ring + fixed + head_dim * group * 4 + num_splits * group * 4
     tiles = merge_tasks(head_dim, group, num_splits) * num_splits
     stage = MERGE_COLS * MERGE_ROWS * itemsize
@@ -210,7 +210,6 @@ def _decode_body(*refs, num_splits, num_stages, num_v_stages, head_dim, group, n
                  evict_first):
     s_, ns, nv, d = num_splits, num_stages, num_v_stages, head_dim
     via_global = s_ > 1 and exchange == "global"
-    bulk = s_ > 1 and exchange == "cluster"
     req_ref, len_ref, sel_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref = refs[:8]
     rest = refs[8:]
     if via_global:
@@ -220,12 +219,10 @@ def _decode_body(*refs, num_splits, num_stages, num_v_stages, head_dim, group, n
     if via_global:  # the ring's memory, reused after the page loop by the split merge
         (k_smem, v_smem, pt_smem), (apub_smem, lpub_smem), (g_smem, l_smem) = ring
         o_stage, cbar, tbar, lbar = rest[6:]
-    elif bulk:  # the ring's memory, reused after the page loop to stage the shares
-        (k_smem, v_smem, pt_smem), stage = ring
     else:
         k_smem, v_smem, pt_smem = ring
-    if s_ > 1 and not via_global:  # every split's state of my head dims, and its LSE row
-        recv, mbar = rest[6:]
+    if s_ > 1 and not via_global:  # every split's state of my head dims, and its LSE rows
+        recv_out, recv_lse, mbar = rest[6:]
 
     t = lax.axis_index("t")
     h = lax.axis_index("h")
@@ -305,13 +302,10 @@ def _decode_body(*refs, num_splits, num_stages, num_v_stages, head_dim, group, n
             key = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, group), 0,
                                          layout=plgpu.Layout.WGMMA)
             st = jnp.where(key < n_keys, st * scale_log2, MASK)
-            with jax.named_scope("sm_max"):
-                m_new = jnp.maximum(m, st.max(axis=0))
-            with jax.named_scope("sm_exp"):
-                alpha = jnp.exp2(m - m_new)
-                pt = jnp.exp2(st - lax.broadcast_in_dim(m_new, st.shape, [1]))
-            with jax.named_scope("sm_sum"):
-                l_new = alpha * l + pt.sum(axis=0)
+            m_new = jnp.maximum(m, st.max(axis=0))
+            alpha = jnp.exp2(m - m_new)
+            pt = jnp.exp2(st - lax.broadcast_in_dim(m_new, st.shape, [1]))
+            l_new = alpha * l + pt.sum(axis=0)
         with jax.named_scope("p_store"):  # P [group, 128]: P V's B operand, read transposed
             pt_smem.transpose((1, 0))[...] = pt.astype(dtype)
             plgpu.commit_smem()
@@ -359,30 +353,19 @@ def _decode_body(*refs, num_splits, num_stages, num_v_stages, head_dim, group, n
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         return
 
-    with jax.named_scope("normalise"):
-        out_t, lse2 = _normalise(acc, m, l)
+    out_t, lse2 = _normalise(acc, m, l)
     if not via_global:
         # Straight into the merging CTAs' shared memory, counted by each receiver's barrier;
         # then each CTA merges its D / S head dims of every group row.
         with jax.named_scope("exchange"):
-            with jax.named_scope("x_cluster_wait"):
-                cluster_exchange.cluster_wait()
-            with jax.named_scope("x_send"):
-                lse_t = lax.broadcast_in_dim(lse2, out_t.shape, [1])
-                if bulk:
-                    cluster_exchange.send_state_bulk(out_t, lse_t, stage, recv, mbar)
-                else:
-                    cluster_exchange.send_state(out_t, lse_t, recv, mbar)
+            cluster_exchange.cluster_wait()
+            lse_t = lax.broadcast_in_dim(lse2, out_t.shape, [1])
+            cluster_exchange.send_state(out_t, lse_t, recv_out, recv_lse, mbar)
         with jax.named_scope("receive_wait"):
             cluster_exchange.wait_received(mbar)
-        if bulk:  # my shares have reached every peer: my stage may go once all have
-            cluster_exchange.cluster_arrive()
         with jax.named_scope("merge"):
-            cluster_exchange.merge_received(approx_math)(recv, o_ref.at[t, h],
+            cluster_exchange.merge_received(approx_math)(recv_out, recv_lse, o_ref.at[t, h],
                                                           lse_ref.at[t, h])
-        if bulk:  # no CTA exits while a peer's bulk copy may still read its shared memory
-            with jax.named_scope("exit_wait"):
-                cluster_exchange.cluster_wait()
         return
 
     # Through global memory, in tasks of 64 head dims x 8 group rows: task i = (block
@@ -524,7 +507,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
             d, splits, stages, t * hkv, gp, num_v_stages=v_stages)
     if exchange not in EXCHANGES:
         raise ValueError(f"{name}: exchange must be one of {EXCHANGES}, got {exchange!r}")
-    if exchange in ("cluster", "cluster_st") and interpret is not None:
+    if exchange == "cluster" and interpret is not None:
         raise ValueError(f"{name}: exchange 'cluster' needs the compiled kernel (interpret "
                          f"mode has no stores into a peer CTA's shared memory)")
     need = smem_bytes(d, stages, splits, group=gp, exchange=exchange, num_v_stages=v_stages)
@@ -549,9 +532,6 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     ring = (plgpu.SMEM((stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # K ring
             plgpu.SMEM((v_stages, PAGE_SIZE, d), q.dtype, transforms=_TILE),  # V ring
             plgpu.SMEM((gp, PAGE_SIZE), q.dtype, transforms=_TILE))         # P
-    if splits > 1 and exchange == "cluster":  # after the page loop: the shares, staged
-        ring = plgpu.RefUnion(ring, plgpu.SMEM((splits * (d // splits + 1) * gp,),
-                                               jnp.float32))
     if via_global:  # after the page loop: this split's state, then the peers' tiles and LSE
         ring = plgpu.RefUnion(
             ring, (plgpu.SMEM((d, gp), jnp.float32), plgpu.SMEM((gp,), jnp.float32)),
@@ -571,8 +551,9 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
                     plgpu.Barrier(num_arrivals=splits,  # each merge task's S tiles
                                   num_barriers=merge_tasks(d, gp, splits)),
                     plgpu.Barrier()]                     # the peers' LSE rows
-    elif splits > 1:  # every split's out^T of my D / S head dims, then its base-2 LSE row
-        scratch += [plgpu.SMEM((splits, d // splits + 1, gp), jnp.float32),
+    elif splits > 1:  # every split's out^T of my D / S head dims, and its base-2 LSE row
+        scratch += [plgpu.SMEM((splits, d // splits, gp), jnp.float32),
+                    plgpu.SMEM((splits, gp), jnp.float32),
                     plgpu.SMEM((2,), jnp.int32)]  # the receive barrier (an mbarrier)
     body = functools.partial(
         _decode_body, num_splits=splits, num_stages=stages, num_v_stages=v_stages, head_dim=d,
