@@ -137,7 +137,6 @@ VARIANTS = {  # name -> op; "mgpu" and "triton" are the two defaults compared in
     "mgpu_st1_evict": mgpu_fn(num_stages=1, l2_evict_first=True),
     "mgpu_k2v1": mgpu_fn(num_stages=2, num_v_stages=1),
     "mgpu_global": mgpu_fn(exchange="global"),
-    "mgpu_cst": mgpu_fn(exchange="cluster_st"),
     "mgpu_l2normal": mgpu_fn(l2_evict_first=False),
     "mgpu_evict": mgpu_fn(l2_evict_first=True),
     "mgpu_s1": mgpu_fn(num_splits=1),

@@ -8,8 +8,9 @@ group row. The sequence, every thread of every CTA taking part:
 
 1. :func:`init_receive_barrier` before the kernel's main loop;
 2. :func:`cluster_wait` after it (every peer's barrier is initialised);
-3. :func:`send_state`: ``st.async`` of the registers into the owners' receive buffers
-   (``recv_out [S, R, G]``, ``recv_lse [S, G]`` f32, shared memory of their own);
+3. :func:`send_state`: a relaxed arrival that announces the bytes, then ``st.async`` of the
+   registers into the owners' receive buffers (``recv_out [S, R, G]``, ``recv_lse [S, G]``
+   f32, shared memory of their own);
 4. :func:`wait_received`: the receive barrier's first phase (all ``S`` shares);
 5. :func:`merge_received`: merge and write the head dims to the output from registers.
 
@@ -51,59 +52,55 @@ def init_receive_barrier(_ctx, mbar):
     mgpu_utils.inline_ptx("barrier.cluster.arrive.relaxed.aligned;", has_side_effects=True)
 
 
-def send_state(out_t, lse_t, recv_out, recv_lse, mbar, relaxed=True):
-    return _send_state(relaxed)(out_t, lse_t, recv_out, recv_lse, mbar)
-
-
-@functools.cache
-def _send_state(relaxed):
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(),
+@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(),
                               plgpu.RefType(), plgpu.RefType()))
-  def send_state(_ctx, out_t, lse_t, recv_out, recv_lse, mbar):
-      """Stores this split's state into the shared memory of the CTAs that merge it.
+def send_state(_ctx, out_t, lse_t, recv_out, recv_lse, mbar):
+    """Stores this split's state into the shared memory of the CTAs that merge it.
 
-      ``out_t`` and ``lse_t``: ``[D, G]`` f32 (WGMMA layout), the normalised out^T and the
-      base-2 LSE broadcast over the head dim. CTA ``o`` of the cluster merges head dims
-      ``[o R, (o + 1) R)`` with ``R = D / S``; this CTA (rank ``k``) writes its rows of that
-      range to ``recv_out[k]`` (``[S, R, G]`` f32) of CTA ``o`` and its LSE row to
-      ``recv_lse[k]`` (``[S, G]`` f32) of every CTA, by ``st.async`` from registers, counted
-      by the receiver's barrier ``mbar``: thread ``o < S`` arrives once on CTA ``o``'s barrier,
-      expecting the bytes this CTA sends there. Nothing waits on this side."""
-      i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-      f32 = ir.F32Type.get()
-      num_splits, num_rows, group = ir.MemRefType(recv_out.type).shape
-      c = mgpu_utils.c
-      me = arith.index_cast(i32, gpu.cluster_block_id(gpu.Dimension.x))
-      mbar_ptr = mgpu_utils.memref_ptr(mbar)
-      out_ptr, lse_ptr = mgpu_utils.memref_ptr(recv_out), mgpu_utils.memref_ptr(recv_lse)
-      tid = arith.remui(mgpu_utils.thread_idx(), c(128, i32))
-      with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, tid, c(num_splits, i32))):
-          mgpu_utils.inline_ptx(
-              "mbarrier.arrive.expect_tx." + ("relaxed" if relaxed else "release") + ".cluster.shared::cluster.b64 _, [$0], $1;",
-              mgpu_utils.get_cluster_ptr(mbar_ptr, tid, generic=False),
-              c((num_rows + 1) * group * 4, i32), has_side_effects=True)
+    ``out_t`` and ``lse_t``: ``[D, G]`` f32 (WGMMA layout), the normalised out^T and the
+    base-2 LSE broadcast over the head dim. CTA ``o`` of the cluster merges head dims
+    ``[o R, (o + 1) R)`` with ``R = D / S``; this CTA (rank ``k``) writes its rows of that
+    range to ``recv_out[k]`` (``[S, R, G]`` f32) of CTA ``o`` and its LSE row to
+    ``recv_lse[k]`` (``[S, G]`` f32) of every CTA, by ``st.async`` from registers, counted
+    by the receiver's barrier ``mbar``: thread ``o < S`` arrives once on CTA ``o``'s barrier,
+    expecting the bytes this CTA sends there. The arrival is relaxed: the receiver reads only
+    what the stores' own byte count makes visible, so nothing of this thread's earlier memory
+    traffic needs ordering before it (a release arrival costs a cluster-scope fence). Nothing
+    waits on this side."""
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    f32 = ir.F32Type.get()
+    num_splits, num_rows, group = ir.MemRefType(recv_out.type).shape
+    c = mgpu_utils.c
+    me = arith.index_cast(i32, gpu.cluster_block_id(gpu.Dimension.x))
+    mbar_ptr = mgpu_utils.memref_ptr(mbar)
+    out_ptr, lse_ptr = mgpu_utils.memref_ptr(recv_out), mgpu_utils.memref_ptr(recv_lse)
+    tid = arith.remui(mgpu_utils.thread_idx(), c(128, i32))
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, tid, c(num_splits, i32))):
+        mgpu_utils.inline_ptx(
+            "mbarrier.arrive.expect_tx.relaxed.cluster.shared::cluster.b64 _, [$0], $1;",
+            mgpu_utils.get_cluster_ptr(mbar_ptr, tid, generic=False),
+            c((num_rows + 1) * group * 4, i32), has_side_effects=True)
 
-      def store(ptr, offset, owner, value):
-          dst = mgpu_utils.get_cluster_ptr(mgpu_utils.getelementptr(ptr, [offset], f32), owner,
-                                           generic=False)
-          bar = mgpu_utils.get_cluster_ptr(mbar_ptr, owner, generic=False)
-          llvm.inline_asm(
-              ir.Type.parse("!llvm.void"), [dst, mgpu_utils.bitcast(value, i64), bar],
-              "st.async.cluster.shared::cluster.mbarrier::complete_tx::bytes.b64 [$0], $1, [$2];",
-              "l,l,l", has_side_effects=True)
+    def store(ptr, offset, owner, value):
+        dst = mgpu_utils.get_cluster_ptr(mgpu_utils.getelementptr(ptr, [offset], f32), owner,
+                                         generic=False)
+        bar = mgpu_utils.get_cluster_ptr(mbar_ptr, owner, generic=False)
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"), [dst, mgpu_utils.bitcast(value, i64), bar],
+            "st.async.cluster.shared::cluster.mbarrier::complete_tx::bytes.b64 [$0], $1, [$2];",
+            "l,l,l", has_side_effects=True)
 
-      for (row, col), reg in zip(out_t.layout.thread_idxs(out_t.shape),
-                                 np.ndindex(out_t.registers.shape), strict=True):
-          row, col = arith.index_cast(i32, row), arith.index_cast(i32, col)
-          owner = arith.divui(row, c(num_rows, i32))
-          r = arith.remui(row, c(num_rows, i32))
-          flat = arith.addi(arith.muli(arith.addi(arith.muli(me, c(num_rows, i32)), r),
-                                       c(group, i32)), col)
-          store(out_ptr, flat, owner, out_t.registers[reg])
-          with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, r, c(0, i32))):
-              store(lse_ptr, arith.addi(arith.muli(me, c(group, i32)), col), owner,
-                    lse_t.registers[reg])
-  return send_state
+    for (row, col), reg in zip(out_t.layout.thread_idxs(out_t.shape),
+                               np.ndindex(out_t.registers.shape), strict=True):
+        row, col = arith.index_cast(i32, row), arith.index_cast(i32, col)
+        owner = arith.divui(row, c(num_rows, i32))
+        r = arith.remui(row, c(num_rows, i32))
+        flat = arith.addi(arith.muli(arith.addi(arith.muli(me, c(num_rows, i32)), r),
+                                     c(group, i32)), col)
+        store(out_ptr, flat, owner, out_t.registers[reg])
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, r, c(0, i32))):
+            store(lse_ptr, arith.addi(arith.muli(me, c(group, i32)), col), owner,
+                  lse_t.registers[reg])
 
 
 @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))

@@ -20,9 +20,9 @@ the kernel. Each CTA normalises its state
 Two transports (``exchange``): ``"cluster"``: every thread stores its registers of the state
 straight into the shared memory of the CTA that merges those head dims (``st.async``; CTA
 ``o`` merges ``[o D / S, (o + 1) D / S)`` of every group row, into receive buffers of its own)
-and the bytes are counted by one barrier in the receiver (initialised before the page loop and
-published to the cluster at the hardware cluster barrier, whose wait comes after the loop);
-each CTA waits for its S shares, merges them and writes its head dims to the output from
+and the bytes are counted by one barrier in the receiver (each sender announces its bytes there
+with a relaxed arrival; the barrier is initialised before the page loop and published to the
+cluster at the hardware cluster barrier, whose wait comes after the loop); each CTA waits for its S shares, merges them and writes its head dims to the output from
 registers. ``"global"``: each CTA publishes its state in outputs by TMA, the cluster meets at a
 cluster barrier (with acquire/release fences), and the merge runs in tasks of 64 head dims x 8
 group rows (CTA ``c`` takes tasks ``c, c + S, ...``), gathered by TMA into the finished ring
@@ -71,7 +71,7 @@ TILE_BYTES = MERGE_ROWS * MERGE_COLS * 4  # one [64, 8] f32 merge tile
 PROFILE_EVENTS = 256  # named-region events per warpgroup and call when profiling
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit wgmma operands
-EXCHANGES = ("cluster", "global", "cluster_st")  # how a split's state reaches the CTAs that merge it
+EXCHANGES = ("cluster", "global")  # how a split's state reaches the CTAs that merge it
 _MERGE_COL = plgpu.Layout.WGMMA.reduce(0)  # a [8] vector along a merge tile's columns
 
 
@@ -126,7 +126,7 @@ def smem_bytes(head_dim: int, num_stages: int, num_splits: int, itemsize: int = 
     fixed = q + ROWS * 4 + SMEM_RESERVE
     if num_splits == 1:
         return ring + fixed
-    if exchange in ("cluster", "cluster_st"):
+    if exchange == "cluster":
         return ring + fixed + head_dim * group * 4 + num_splits * group * 4
     tiles = merge_tasks(head_dim, group, num_splits) * num_splits
     stage = MERGE_COLS * MERGE_ROWS * itemsize
@@ -353,17 +353,14 @@ def _decode_body(*refs, num_splits, num_stages, num_v_stages, head_dim, group, n
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         return
 
-    with jax.named_scope("normalise"):
-        out_t, lse2 = _normalise(acc, m, l)
+    out_t, lse2 = _normalise(acc, m, l)
     if not via_global:
         # Straight into the merging CTAs' shared memory, counted by each receiver's barrier;
         # then each CTA merges its D / S head dims of every group row.
         with jax.named_scope("exchange"):
             cluster_exchange.cluster_wait()
             lse_t = lax.broadcast_in_dim(lse2, out_t.shape, [1])
-            with jax.named_scope("x_send"):
-                cluster_exchange.send_state(out_t, lse_t, recv_out, recv_lse, mbar,
-                                            relaxed=exchange == "cluster")
+            cluster_exchange.send_state(out_t, lse_t, recv_out, recv_lse, mbar)
         with jax.named_scope("receive_wait"):
             cluster_exchange.wait_received(mbar)
         with jax.named_scope("merge"):
@@ -510,7 +507,7 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
             d, splits, stages, t * hkv, gp, num_v_stages=v_stages)
     if exchange not in EXCHANGES:
         raise ValueError(f"{name}: exchange must be one of {EXCHANGES}, got {exchange!r}")
-    if exchange in ("cluster", "cluster_st") and interpret is not None:
+    if exchange == "cluster" and interpret is not None:
         raise ValueError(f"{name}: exchange 'cluster' needs the compiled kernel (interpret "
                          f"mode has no stores into a peer CTA's shared memory)")
     need = smem_bytes(d, stages, splits, group=gp, exchange=exchange, num_v_stages=v_stages)

@@ -338,14 +338,16 @@ def test_approx_math_lowers_to_fast_exp2(approx_math):
 @pytest.mark.parametrize("exchange", ["cluster", "global"])
 def test_exchange_lowers_to_its_transport(exchange):
     """Compiled for the H200 with 16 splits, the cluster exchange stores into peers' shared
-    memory (``st.async``, counted by a remote ``mbarrier.arrive.expect_tx``) and needs no
-    acquire/release fences; the global exchange fences its publish and stores into no peer."""
+    memory (``st.async``, counted by a relaxed remote ``mbarrier.arrive.expect_tx``) and
+    needs no acquire/release fences; the global exchange fences its publish and stores into
+    no peer."""
     text = lower_for_cuda(sparse_decode_mgpu, *_specs(1, 16, 1), scale=1.0, interpret=False,
                           num_splits=16, num_stages=1, exchange=exchange)
     assert len(_mosaic_calls(text)) == 1
     for marker in ("st.async.cluster.shared::cluster",
-                   "mbarrier.arrive.expect_tx.release.cluster.shared::cluster"):
+                   "mbarrier.arrive.expect_tx.relaxed.cluster.shared::cluster"):
         assert (marker in text) == (exchange == "cluster"), marker
+    assert "mbarrier.arrive.expect_tx.release" not in text
     assert ("fence.acq_rel.cluster" in text) == (exchange == "global")
 
 
