@@ -22,9 +22,10 @@ straight into the shared memory of the CTA that merges those head dims (``st.asy
 ``o`` merges ``[o D / S, (o + 1) D / S)`` of every group row, into receive buffers of its own)
 and the bytes are counted by one barrier in the receiver (each sender announces its bytes there
 with a relaxed arrival; the barrier is initialised before the page loop and published to the
-cluster at the hardware cluster barrier, whose wait comes after the loop); each CTA waits for its S shares, merges them and writes its head dims to the output from
-registers. ``"global"``: each CTA publishes its state in outputs by TMA, the cluster meets at a
-cluster barrier (with acquire/release fences), and the merge runs in tasks of 64 head dims x 8
+cluster at the hardware cluster barrier, whose wait comes after the loop); each CTA waits for
+its S shares, merges them and writes its head dims to the output from registers.
+``"global"``: each CTA publishes its state in outputs by TMA, the cluster meets at a cluster
+barrier (with acquire/release fences), and the merge runs in tasks of 64 head dims x 8
 group rows (CTA ``c`` takes tasks ``c, c + S, ...``), gathered by TMA into the finished ring
 and written as ``[8, 64]`` blocks through shared memory. The interpreter has no store into a
 peer CTA's shared memory, so interpreted kernels take the global transport.
