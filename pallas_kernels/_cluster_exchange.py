@@ -63,10 +63,10 @@ def send_state(_ctx, out_t, lse_t, recv_out, recv_lse, mbar):
     range to ``recv_out[k]`` (``[S, R, G]`` f32) of CTA ``o`` and its LSE row to
     ``recv_lse[k]`` (``[S, G]`` f32) of every CTA, by ``st.async`` from registers, counted
     by the receiver's barrier ``mbar``: thread ``o < S`` arrives once on CTA ``o``'s barrier,
-    expecting the bytes this CTA sends there. The arrival is relaxed: the receiver reads only
-    what the stores' own byte count makes visible, so nothing of this thread's earlier memory
-    traffic needs ordering before it (a release arrival costs a cluster-scope fence). Nothing
-    waits on this side."""
+    expecting the bytes this CTA sends there. The arrival is relaxed: each ``st.async``
+    releases its own bytes through the barrier's transaction count, and the receiver reads
+    nothing else of this CTA's, so no earlier memory traffic needs ordering before the
+    arrival (a release arrival costs a cluster-scope fence). Nothing waits on this side."""
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
     f32 = ir.F32Type.get()
     num_splits, num_rows, group = ir.MemRefType(recv_out.type).shape
