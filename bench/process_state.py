@@ -45,6 +45,7 @@ import jax  # noqa: E402
 
 from _shapes_inputs import all_shapes, make_inputs, our_decode, our_indexer  # noqa: E402
 
+
 def gpu_clocks() -> str:
     """nvidia-smi's SM and memory clocks, temperature and power, or why they are missing."""
     try:

@@ -514,9 +514,9 @@ def sparse_decode_mgpu(q, kv_cache, selected, block_table, req_indices, kv_lens,
     need = smem_bytes(d, stages, splits, group=gp, exchange=exchange, num_v_stages=v_stages)
     if need > SMEM_BYTES:
         raise ValueError(f"{name}: num_stages {stages} (V: {v_stages}) with num_splits "
-                         f"{splits}, D = {d}, a "
-                         f"GQA group of {gp} rows and exchange {exchange!r} needs {need} bytes: "
-                         f"more than {SMEM_BYTES} bytes of shared memory")
+                         f"{splits}, D = {d}, a GQA group of {gp} rows and exchange "
+                         f"{exchange!r} needs {need} bytes: more than {SMEM_BYTES} bytes of "
+                         f"shared memory")
     if t == 0:
         return jnp.zeros((0, hq, d), q.dtype), jnp.zeros((0, hq), jnp.float32)
 
