@@ -127,7 +127,7 @@ class Timing:
 
     @property
     def us(self) -> float:
-        return statistics.median(self.samples_s) * 1e6
+        return median_us(self.samples_s)
 
     @property
     def gpu_bound(self) -> bool:
@@ -283,8 +283,7 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
         flush_s.append(t_fl / (n // k))
         samples.append(max((t_op - t_fl) / n, 1e-9))
     del buf
-    return Timing("cold", samples, statistics.median(host) * 1e6,
-                  statistics.median(flush_s) * 1e6, k, clock)
+    return Timing("cold", samples, median_us(host), median_us(flush_s), k, clock)
 
 
 _COMPILED: dict = {}
@@ -322,7 +321,7 @@ def _time_warm(fn, args: tuple, *, n: int, trials: int) -> Timing:
             jax.block_until_ready(out)
             samples.append((time.perf_counter() - t0) / n)
         host.append((t1 - t0) / n)
-    return Timing("warm", samples, statistics.median(host) * 1e6, None)
+    return Timing("warm", samples, median_us(host), None)
 
 
 def host_latency_s(fn, *, repeats: int, warmup: int = 1) -> list[float]:
@@ -342,6 +341,7 @@ def host_latency_s(fn, *, repeats: int, warmup: int = 1) -> list[float]:
 
 
 def median_us(samples_s: list[float]) -> float:
+    """The median of samples in seconds, in microseconds."""
     return statistics.median(samples_s) * 1e6
 
 
