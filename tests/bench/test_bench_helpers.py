@@ -1,5 +1,5 @@
 """The bench scripts' shared helpers (bench/_common.py), kernels.py's report logic and
-decode_trace.py's profile summary, on CPU.
+every script's command line, on CPU.
 
 The GPU-only paths of bench/kernels.py (vLLM timing) are exercised through their pure parts:
 the summary of recorded samples, the choice of the valid figure, the printed row and the
@@ -125,7 +125,7 @@ def test_time_jax_rejects_bad_arguments():
 
 
 def test_time_jax_without_preroll():
-    """preroll=0 (the timer before the pre-roll, for bench/timer_check.py) still times."""
+    """preroll=0 (no flush-only dispatches before the wall-clock loop) still times."""
     t = _common.time_jax(lambda v: v * 2.0, (jnp.ones(64),), n=2, trials=2, l2="cold",
                          preroll=0)
     chex.assert_tree_all_finite(np.asarray(t.samples_s))
@@ -254,17 +254,15 @@ def run(name, *argv):
     except SystemExit as e:
         return e.code
     return 0
-for name in ("kernels.py", "prefill.py", "decode_profile.py", "index_dtype_sweep.py",
-             "dcp.py", "serving.py", "staging.py", "sass_stalls.py", "timer_check.py",
-             "index_select_mgpu.py", "read_floor.py", "l2_policy_probe.py"):
+for name in ("kernels.py", "prefill.py", "dcp.py", "serving.py", "staging.py",
+             "real_layer.py", "serve_load.py"):
     assert run(name, "--help") == 0, name
 assert run("kernels.py", "--out", "/tmp/x") == 2  # no GPU and no --cpu-smoke
 assert run("kernels.py", "--out", "/tmp/x", "--cpu-smoke", "--shapes", "16") == 2
 assert run("kernels.py", "--out", "/tmp/x", "--cpu-smoke", "--reps", "0") == 2
 assert run("prefill.py", "--chunk", "-1") == 2
-assert run("read_floor.py", "--out", "/tmp/x", "--trials", "0") == 2
-assert run("l2_policy_probe.py", "--policy", "evict_often", "read_floor") == 2
-assert run("timer_check.py", "--out", "/tmp/x", "--ns", "100,0") == 2
+assert run("prefill.py", "--trials", "0") == 2
+assert run("dcp.py", "--out", "/tmp/x", "--world-size", "0") == 2
 assert run("serving.py", "--out", "/tmp/x", "--command-buffers", "xla,graphs") == 2
 print("ok")
 """
@@ -273,9 +271,8 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
     assert "--shapes: shape indices must be in [0, 16)" in r.stderr
     assert "--reps: must be >= 1" in r.stderr
-    assert "--ns: must be >= 1, got 0" in r.stderr
-    assert "--policy: invalid choice: 'evict_often'" in r.stderr
     assert "--trials: must be >= 1" in r.stderr
+    assert "--world-size: must be >= 1, got 0" in r.stderr
     assert "command buffers must be from ('xla', 'off', 'no-custom-calls')" in r.stderr
 
 
@@ -293,68 +290,6 @@ def test_kernels_cpu_smoke(tmp_path):
     assert all(o["us"] > 0 and o["samples_us"] for o in row["ours"].values())
     assert doc["vllm_ops"] == "not requested" and "cold L2" in doc["timing"]["ours"]
     assert "| 16/1 | 2 | 4096 |" in (tmp_path / "kernels.md").read_text()
-
-
-def test_decode_trace_summary_of_a_made_up_profile():
-    """bench/decode_trace.py's reading of a Mosaic GPU profile: per CTA the first event is its
-    start (global timer, us) and later events add SM cycles / 1e3; regions total per CTA."""
-    import decode_trace
-    ev = lambda name, ph, ts, tid: dict(name=name, ph=ph, ts=ts, tid=tid)  # noqa: E731
-    trace = {"traceEvents": [
-        ev("metadata", "B", 100.0, 1), ev("metadata", "E", 101.98, 1),     # 1980 cycles: 1 us
-        ev("k_wait", "B", 101.98, 1), ev("k_wait", "E", 102.97, 1),        # 0.5 us
-        ev("k_wait", "B", 103.96, 1), ev("k_wait", "E", 104.95, 1),        # 0.5 us, at 2 us
-        ev("metadata", "B", 100.5, 2), ev("metadata", "E", 104.46, 2),     # 2 us, starts later
-    ]}
-    ctas = decode_trace.cta_timelines(trace, sm_mhz=1980.0)
-    call = decode_trace.summarise_call(ctas)
-    chex.assert_trees_all_close(
-        (call["start_spread_us"], call["kernel_span_us"], call["regions"]["k_wait"]["total_us"],
-         call["regions"]["k_wait"]["total_max_us"], call["regions"]["metadata"]["total_us"]),
-        (0.5, 2.5, 0.5, 1.0, 1.5), atol=1e-9)
-    assert call["ctas"] == 2 and call["regions"]["k_wait"]["begin_us"] == pytest.approx(1.0)
-    both = decode_trace.median_over_calls([call, call])
-    assert both["regions"]["metadata"]["total_us"] == pytest.approx(1.5)
-
-
-def test_decode_mgpu_sweep_fits_each_shapes_group():
-    """decode_mgpu.py --sweep judges shared memory by the shape's own GQA group: a 3-deep ring
-    on one split fits a group of 16 (the 16/1 and 64/4 shapes) but not one of 64."""
-    import decode_mgpu
-    configs = decode_mgpu.sweep_configs(16, 1)
-    assert (1, 3) in configs and (16, 1) in configs and (16, 2) not in configs  # 1 page
-    assert decode_mgpu.sweep_configs(64, 4) == configs
-    assert (1, 3) not in decode_mgpu.sweep_configs(64, 1)
-    assert all(st <= -(-16 // s) for s, st in configs)
-
-
-def test_decode_mgpu_indexer_inputs_are_kernels_py_inputs():
-    """decode_mgpu.py --inputs indexer: bench/kernels.py's caches, block table and queries,
-    with our indexer's top-16 (interpreted here) as the selection, in make_inputs' order."""
-    import decode_mgpu
-    from _shapes_inputs import Shape, make_inputs
-    shape = Shape(16, 1, 3, 1280)  # 10 pages per request
-    q, kv, sel, bt, req, lens = decode_mgpu.INPUTS["indexer"](shape, 5)
-    x = make_inputs(shape, 5)
-    chex.assert_trees_all_equal((q, kv, bt, req, lens),
-                                (x["q"], x["kv"], x["block_table"], x["req_indices"],
-                                 x["kv_lens"]))
-    chex.assert_shape(sel, (3, 1, 16))
-    sel = np.asarray(sel)
-    assert ((sel >= 0) & (sel < 10)).sum(-1).tolist() == [[10]] * 3  # every page, then -1
-    assert (np.sort(sel, -1)[..., :6] == -1).all()
-    assert decode_mgpu.INPUTS["random"] is decode_mgpu.make_inputs
-
-
-def test_index_select_mgpu_grid_names_each_combination():
-    """index_select_mgpu.py --grid: every combination within each |-part, named by its
-    values; ctas=0 leaves the kernel's default grid."""
-    import index_select_mgpu
-    variants = index_select_mgpu.grid_variants("ctas=0,528;ns=2,3|ns=4")
-    assert list(variants) == ["mgpu_ctas0_ns2", "mgpu_ctas0_ns3", "mgpu_ctas528_ns2",
-                              "mgpu_ctas528_ns3", "mgpu_ns4"]
-    assert variants["mgpu_ctas0_ns3"].keywords == dict(num_stages=3)
-    assert variants["mgpu_ctas528_ns2"].keywords == dict(num_ctas=528, num_stages=2)
 
 
 def test_cold_executable_loops_flush_and_op():
@@ -403,21 +338,3 @@ def test_gpu_clock_lowers_and_joins_words():
     words = np.array([np.int32(np.uint32(ns & 0xFFFFFFFF).view(np.int32)), 7], np.int32)
     assert _gpu_clock.clock_ns(words) == ns
     assert _gpu_clock.clock_ns(np.array([5, 0], np.int32)) == 5
-
-
-@pytest.mark.parametrize("ranks,tagged", [(None, True), (frozenset({5}), True),
-                                          (frozenset({3}), False)])
-def test_l2_policy_probe_tags_the_loads_of_the_ranks_asked(monkeypatch, ranks, tagged):
-    """The probe's ``nvvm`` gives the decode's TMA loads its policy (the page loads are 5-d
-    loads, Q's 4-d), and none where no load has one of ``ranks``."""
-    import l2_policy_probe
-    from _decode_batch import decode_specs
-    from jax.experimental.mosaic.gpu import launch_context
-    from pallas_kernels._lowering import lower_for_cuda
-    from pallas_kernels.sparse_decode_mgpu import sparse_decode_mgpu
-    monkeypatch.setattr(launch_context, "nvvm", l2_policy_probe._TaggedNvvm(
-        launch_context.nvvm, "evict_last", 0.5, ranks))
-    text = lower_for_cuda(sparse_decode_mgpu, *decode_specs(16, 16, 1, pages=256, rows=16,
-                                                            cols=64),
-                          scale=1.0, interpret=False, l2_evict_first=False)
-    assert ("createpolicy.fractional.L2::evict_last.b64 $0, 0.5;" in text) == tagged
