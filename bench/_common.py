@@ -58,7 +58,7 @@ import jax.numpy as jnp  # noqa: E402
 import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 from jax_msa_runner.config import COMMAND_BUFFERS  # noqa: E402
-from jax_msa_runner.flags import bounded_int  # noqa: E402
+from jax_msa_runner.cli.flags import bounded_int  # noqa: E402
 
 from _gpu_clock import clock_ns, read_clock  # noqa: E402
 

@@ -5,7 +5,7 @@ host overhead per engine step, at several client concurrencies.
     python3 bench/serve_load.py --out DIR --transport engine   (no HTTP stack needed)
 
 ``--transport http`` (default) starts the server as a subprocess
-(``python -m jax_msa_runner.serve_cli``, the tiny model, its log in DIR/server.log), waits
+(``python -m jax_msa_runner.cli.serve``, the tiny model, its log in DIR/server.log), waits
 for /health, and drives ``/v1/completions`` with streaming clients over httpx;
 ``--transport engine`` builds the same runner and engine in this process and submits to
 ``Engine.submit`` directly (no FastAPI / uvicorn / httpx: the engine's own latencies).
@@ -239,7 +239,7 @@ async def bench_http(args, rng) -> list[dict]:
     import httpx
 
     log = open(os.path.join(args.out, "server.log"), "w")
-    cmd = [sys.executable, "-m", "jax_msa_runner.serve_cli", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "jax_msa_runner.cli.serve", "--host", "127.0.0.1",
            "--port", str(args.port), "--log-level", "warning"] + server_flags(args)
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -284,7 +284,7 @@ async def bench_http(args, rng) -> list[dict]:
 
 async def bench_engine(args, rng) -> list[dict]:
     from jax_msa_runner.config import RunnerConfig, SchedulerConfig
-    from jax_msa_runner.serve_cli import add_serve_args, build_model, check_serve_args
+    from jax_msa_runner.cli.serve import add_serve_args, build_model, check_serve_args
     from jax_msa_runner.serving.engine import Engine
     from jax_msa_runner.serving.runner import ModelRunner
 

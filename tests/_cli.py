@@ -2,7 +2,7 @@
 the arguments of a tiny demo run."""
 import pytest
 
-from jax_msa_runner.cli import main
+from jax_msa_runner.cli.main import main
 
 # `demo` on tiny settings: 3 short requests of 3 output tokens, 2 layers, 2 rows per step
 TINY_DEMO = ["demo", "--num-requests", "3", "--long-prompts", "0", "--max-model-len", "512",

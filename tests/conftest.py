@@ -27,7 +27,7 @@ def no_work(monkeypatch):
     """Any model building, serving or staging fails the test: flags must be refused first
     (XLA_FLAGS, which ``--dcp`` / ``--tp`` may extend, is restored afterwards)."""
     import jax_msa_runner.batch.staging as staging
-    import jax_msa_runner.demo as demo
+    import jax_msa_runner.cli.demo as demo
 
     def forbidden(*args, **kwargs):
         raise AssertionError("work started before the flags were checked")

@@ -250,7 +250,7 @@ def test_logits_cli_matches_one_shot_forward(text_checkpoint, tmp_path, capsys):
     path give the logits of a single unchunked forward pass (f32, atol 1e-4)."""
     from jax_msa_runner.attention.parallel import init_caches
     from jax_msa_runner.batch.staging import stage_batch
-    from jax_msa_runner.cli import main
+    from jax_msa_runner.cli.main import main
     from jax_msa_runner.config import RunnerConfig
     from jax_msa_runner.model import compute_logits, forward
     folder, params = text_checkpoint
@@ -280,7 +280,7 @@ def test_logits_cli_matches_one_shot_forward(text_checkpoint, tmp_path, capsys):
     (np.array([-1]), r"--token-ids: ids must be in \[0, vocab_size=320\), got -1 at index 0"),
 ])
 def test_logits_cli_rejects_bad_token_ids(text_checkpoint, tmp_path, capsys, arr, match):
-    from jax_msa_runner.cli import main
+    from jax_msa_runner.cli.main import main
     folder, _ = text_checkpoint
     np.save(tmp_path / "ids.npy", arr)
     rc = main(["logits", "--checkpoint", str(folder), "--token-ids", str(tmp_path / "ids.npy"),
@@ -291,7 +291,7 @@ def test_logits_cli_rejects_bad_token_ids(text_checkpoint, tmp_path, capsys, arr
 
 
 def test_demo_serves_text_from_a_checkpoint(text_checkpoint, capsys):
-    from jax_msa_runner.demo import main
+    from jax_msa_runner.cli.demo import main
     folder, _ = text_checkpoint
     rc = main(["--checkpoint", str(folder), "--prompt", "hello world", "--prompt",
                "the lazy fox", "--output-len", "5", "--max-model-len", "256",

@@ -7,11 +7,11 @@ import os
 import jax
 import pytest
 
-import jax_msa_runner.demo as demo
+import jax_msa_runner.cli.demo as demo
 from _cli import TINY_DEMO, refused
 from jax_msa_runner.batch.buckets import make_buckets
 from jax_msa_runner.batch.staging import DUMMY_KINDS
-from jax_msa_runner.cli import build_parser, main
+from jax_msa_runner.cli.main import build_parser, main
 from jax_msa_runner.config import RESERVED_PAGES, RunnerConfig
 from jax_msa_runner.serving.kv_cache import pages_needed
 
@@ -123,7 +123,7 @@ def test_bounds_between_flags_are_tight(capsys, no_work):
 
 
 def test_flag_types_name_their_bounds():
-    from jax_msa_runner.flags import bounded_float, bounded_int
+    from jax_msa_runner.cli.flags import bounded_float, bounded_int
 
     assert bounded_int(1, 3)("3") == 3
     assert bounded_float(0.0)("0.5") == 0.5

@@ -1,6 +1,6 @@
 """The tree's layering, checked from the source: no module imports a layer above its own,
-torch and triton stay under tools/ and bench/, only attention/ branches on DCP, and the
-page size and top-k are defined once."""
+torch and triton stay under tools/ and bench/, argparse stays under cli/, only attention/
+branches on DCP, and the page size and top-k are defined once."""
 import ast
 import pathlib
 import re
@@ -12,14 +12,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = ("pallas_kernels", "jax_msa_runner.config", "jax_msa_runner.batch",
           "jax_msa_runner.attention", "jax_msa_runner.model", "jax_msa_runner.serving",
           "jax_msa_runner.cli")
-TOP_LEVEL_APPS = ("jax_msa_runner.demo", "jax_msa_runner.logits", "jax_msa_runner.serve_cli")
 
 
 def _layer(module: str) -> int | None:
     if module == "jax_msa_runner":  # the package itself: imports nothing
         return 0
-    if module.startswith(TOP_LEVEL_APPS):
-        return len(LAYERS) - 1
     for i, prefix in reversed(list(enumerate(LAYERS))):
         if module == prefix or module.startswith(prefix + "."):
             return i
@@ -66,11 +63,20 @@ def test_torch_and_triton_only_under_tools_and_bench():
     assert offenders == []
 
 
+def test_argparse_only_under_cli():
+    """The runtime packages take typed configs; flags are parsed in jax_msa_runner/cli/."""
+    offenders = [str(p.relative_to(ROOT)) for p in _package_files()
+                 if "argparse" in _imports(p)
+                 and not str(p.relative_to(ROOT)).startswith("jax_msa_runner/cli/")]
+    assert offenders == []
+    assert (ROOT / "jax_msa_runner/cli/main.py").exists()
+
+
 def test_only_attention_branches_on_dcp():
     """The compute path (kernels, model, serving) never branches on DCP: attention/ does.
-    batch/ and config.py hold the DCP metadata math and checks; the demo validates --dcp."""
+    batch/ and config.py hold the DCP metadata math and checks; cli/ validates --dcp."""
     allowed = {"jax_msa_runner/attention", "jax_msa_runner/batch", "jax_msa_runner/config.py",
-               "jax_msa_runner/demo.py"}
+               "jax_msa_runner/cli/"}
     # a branch on whether DCP is on: `if ... world_size > 1`, `... if W == 1 else ...`
     pattern = re.compile(r"\bif\b[^\n]*\b(dcp_world_size|world_size|W)\s*(>|==|!=|<=)\s*1\b")
     offenders = []

@@ -32,7 +32,7 @@ import pytest
 from jax_msa_runner.attention.parallel import init_caches
 from jax_msa_runner.batch.staging import stage_batch
 from jax_msa_runner.checkpoint import load
-from jax_msa_runner.cli import main as cli_main
+from jax_msa_runner.cli.main import main as cli_main
 from jax_msa_runner.config import RESERVED_PAGES, RunnerConfig, SchedulerConfig
 from jax_msa_runner.model import forward_with_routing
 from jax_msa_runner.serving.kv_cache import pages_needed

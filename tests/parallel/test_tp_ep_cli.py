@@ -11,11 +11,11 @@ from jax.sharding import NamedSharding
 from _checkpoint_writer import write_checkpoint
 from _cli import TINY_DEMO, refused
 from jax_msa_runner.attention.parallel import param_bytes_per_device, param_spec, tp_layout
-from jax_msa_runner.cli import main
+from jax_msa_runner.cli.main import main
 from jax_msa_runner.config import ModelConfig
-from jax_msa_runner.mesh_flags import load_checkpoint_sharded
+from jax_msa_runner.cli.mesh_flags import load_checkpoint_sharded
 from jax_msa_runner.model import init_params
-from jax_msa_runner.serve_cli import main as serve_main
+from jax_msa_runner.cli.serve import main as serve_main
 
 # MSA + MoE and dense layers; 4 q / 2 kv / 2 index heads, 4 experts: TP 2 x EP 2 divides it
 CFG = ModelConfig.tiny(num_layers=3, sparse_attention_freq=(0, 1, 1), moe_layer_freq=(0, 1, 0),

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jax_msa_runner.serving.compile_count import CompileCounter
 from jax_msa_runner.config import RESERVED_PAGES, ModelConfig, RunnerConfig
 from jax_msa_runner.attention.dcp import DCP_AXIS, DCPError
-from jax_msa_runner.demo import HOST_DEVICES_FLAG, main as demo_main, request_host_devices
+from jax_msa_runner.cli.demo import HOST_DEVICES_FLAG, main as demo_main, request_host_devices
 from jax_msa_runner.serving.kv_cache import pages_needed
 from jax_msa_runner.serving.runner import ModelRunner
 from jax_msa_runner.serving.scheduler import (Request, RequestRejectedError, Scheduler,

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from jax_msa_runner.cli import main as cli_main
-from jax_msa_runner.serve_cli import add_serve_args, check_serve_args, run_serve
+from jax_msa_runner.cli.main import main as cli_main
+from jax_msa_runner.cli.serve import add_serve_args, check_serve_args, run_serve
 
 
 def parse(*argv):
@@ -63,7 +63,7 @@ def test_checkpoint_model_is_what_the_loader_gives(tmp_path):
     from _checkpoint_writer import write_checkpoint
     from jax_msa_runner.config import ModelConfig
     from jax_msa_runner.model import init_params
-    from jax_msa_runner.serve_cli import FlagError, build_model
+    from jax_msa_runner.cli.serve import FlagError, build_model
     from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
 
     cfg = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), hidden_size=64,
@@ -90,7 +90,7 @@ def test_model_config_serves_random_weights_at_its_shapes(tmp_path):
     an unreadable file or one together with --checkpoint exits 2 naming the flag."""
     import json
 
-    from jax_msa_runner.serve_cli import FlagError, build_model
+    from jax_msa_runner.cli.serve import FlagError, build_model
 
     m3 = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "configs", "minimax_m3.json")
     mc, params, tok = build_model(parse("--model-config", m3, "--num-layers", "4"))

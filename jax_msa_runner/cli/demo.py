@@ -41,8 +41,8 @@ from tqdm import tqdm
 from jax_msa_runner.batch.validate import MetadataInvariantError
 from jax_msa_runner.config import (DCP_INTERLEAVE, FP8_INDEX_CACHE_DTYPE, RESERVED_PAGES,
                                    ConfigError, ModelConfig, RunnerConfig, SchedulerConfig)
-from jax_msa_runner.flags import FlagError, FlagParser, bounded_float, bounded_int
-from jax_msa_runner.mesh_flags import (HOST_DEVICES_FLAG, add_distributed_args, add_mesh_args,
+from jax_msa_runner.cli.flags import FlagError, FlagParser, bounded_float, bounded_int
+from jax_msa_runner.cli.mesh_flags import (HOST_DEVICES_FLAG, add_distributed_args, add_mesh_args,
                                        check_mesh_flags, init_distributed)
 from jax_msa_runner.serving.kv_cache import pages_needed
 from jax_msa_runner.serving.runner import ModelRunner, serve
@@ -333,8 +333,8 @@ def run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m jax_msa_runner.demo [flags]``: the same as ``jax-msa-runner demo``."""
-    parser = add_demo_args(FlagParser(prog="python -m jax_msa_runner.demo", description=__doc__,
+    """``python -m jax_msa_runner.cli.demo [flags]``: the same as ``jax-msa-runner demo``."""
+    parser = add_demo_args(FlagParser(prog="python -m jax_msa_runner.cli.demo", description=__doc__,
                                       formatter_class=argparse.RawDescriptionHelpFormatter))
     return run_demo_command(parser, parser.parse_args(argv))
 

@@ -1,6 +1,6 @@
 """Command line: ``jax-msa-runner demo`` (the main job) and ``buckets``.
 
-- demo: the tiny default model serves a synthetic workload (jax_msa_runner.demo).
+- demo: the tiny default model serves a synthetic workload (jax_msa_runner.cli.demo).
 - buckets: stages every bucket of the default RunnerConfig with each dummy kind and
   validates it (the metadata table).
 
@@ -17,7 +17,7 @@ import time
 import jax
 
 from jax_msa_runner.config import RunnerConfig
-from jax_msa_runner.flags import FlagParser, bounded_int
+from jax_msa_runner.cli.flags import FlagParser, bounded_int
 
 
 def run_buckets(args: argparse.Namespace) -> int:
@@ -68,8 +68,8 @@ def run_buckets(args: argparse.Namespace) -> int:
 
 def build_parser() -> tuple[FlagParser, dict[str, FlagParser]]:
     """The ``jax-msa-runner`` parser and its subcommands' parsers (``demo``, ``buckets``)."""
-    from jax_msa_runner.demo import __doc__ as demo_doc, add_demo_args
-    from jax_msa_runner.serve_cli import add_serve_args
+    from jax_msa_runner.cli.demo import __doc__ as demo_doc, add_demo_args
+    from jax_msa_runner.cli.serve import add_serve_args
 
     parser = FlagParser(prog="jax-msa-runner", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,14 +89,14 @@ def build_parser() -> tuple[FlagParser, dict[str, FlagParser]]:
                          help="timed stagings per (bucket, kind) after the first (>= 1)")
     serve = add_serve_args(sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (tiny model)"))
-    from jax_msa_runner.logits import add_logits_args
+    from jax_msa_runner.cli.logits import add_logits_args
     logits = add_logits_args(sub.add_parser("logits", help="full-prompt logits of a checkpoint"))
     return parser, {"demo": demo, "buckets": buckets, "serve": serve, "logits": logits}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jax-msa-runner`` script."""
-    from jax_msa_runner.demo import run_demo_command
+    from jax_msa_runner.cli.demo import run_demo_command
 
     parser, commands = build_parser()
     args = parser.parse_args(argv)
@@ -105,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return run_demo_command(commands["demo"], args)
     if args.command == "serve":
-        from jax_msa_runner.serve_cli import run_serve
+        from jax_msa_runner.cli.serve import run_serve
         return run_serve(args)
     if args.command == "logits":
-        from jax_msa_runner.logits import run_logits
+        from jax_msa_runner.cli.logits import run_logits
         return run_logits(args)
     return run_buckets(args)
 

@@ -17,7 +17,7 @@ import os
 import sys
 
 from jax_msa_runner.config import COMMAND_BUFFERS, RESERVED_PAGES
-from jax_msa_runner.mesh_flags import add_mesh_args
+from jax_msa_runner.cli.mesh_flags import add_mesh_args
 from jax_msa_runner.serving.kv_cache import pages_needed
 
 DEFAULT_MODEL_NAME = "jax-msa-tiny"
@@ -169,8 +169,8 @@ def served_config(args):
 
 def _check_mesh(args) -> None:
     """--tp / --ep against the served model and the devices (asks for host devices first)."""
-    from jax_msa_runner import flags, mesh_flags
-    from jax_msa_runner.demo import request_host_devices
+    from jax_msa_runner.cli import flags, mesh_flags
+    from jax_msa_runner.cli.demo import request_host_devices
 
     request_host_devices(args.tp * args.ep)
     try:

@@ -7,7 +7,7 @@ bad value raises ``flags.FlagError`` naming the flag and the bound.
 from __future__ import annotations
 
 from jax_msa_runner.config import ConfigError, ModelConfig
-from jax_msa_runner.flags import FlagError, bounded_int
+from jax_msa_runner.cli.flags import FlagError, bounded_int
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 

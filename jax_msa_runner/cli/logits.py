@@ -15,8 +15,8 @@ import numpy as np
 
 from jax_msa_runner.config import (RESERVED_PAGES, ConfigError, ModelConfig, RunnerConfig,
                                    SchedulerConfig)
-from jax_msa_runner.flags import FlagError, bounded_int
-from jax_msa_runner.mesh_flags import add_mesh_args, load_checkpoint_sharded
+from jax_msa_runner.cli.flags import FlagError, bounded_int
+from jax_msa_runner.cli.mesh_flags import add_mesh_args, load_checkpoint_sharded
 
 
 def add_logits_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -94,7 +94,7 @@ def run_logits(args: argparse.Namespace) -> int:
     """Load, prefill, write ``args.out``; returns a process exit code. A bad checkpoint or
     prompt: one stderr line naming the flag and the bound, exit status 2."""
     from jax_msa_runner.checkpoint import CheckpointError
-    from jax_msa_runner.demo import request_host_devices
+    from jax_msa_runner.cli.demo import request_host_devices
 
     request_host_devices(args.tp * args.ep)
     try:
