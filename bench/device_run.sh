@@ -5,7 +5,6 @@
 #   tests    the kernel tests compiled on the GPU (tests/kernels, tests/attention/test_msa_attention.py)
 #   kernels  bench/kernels.py: the MSA kernels against vLLM 0.33.0's ops (carry .vllm_ops)
 #   compare  tools.vllm_compare.compare compiled: the parity cases with both sides' times (carry .vllm_ops)
-#   fp8      bench/fp8_matmul.py: the weight-only fp8 matmul against XLA and the copy roofline
 #   prefill  bench/prefill.py: sparse prefill against the decode on a long chunk
 #   layer    bench/real_layer.py: one real-shaped dense and one MSA+MoE layer per rank
 #   serve    bench/serve_load.py: the OpenAI server under load (carry .whl with FastAPI/uvicorn wheels)
@@ -21,8 +20,8 @@ while (($#)); do
 done
 ((${#parts[@]})) || parts=(tests kernels)
 for p in "${parts[@]}"; do
-  [[ $p =~ ^(tests|kernels|compare|fp8|prefill|layer|serve)$ ]] || {
-    echo "device_run.sh: unknown part '$p' (tests kernels compare fp8 prefill layer serve)" >&2; exit 2; }
+  [[ $p =~ ^(tests|kernels|compare|prefill|layer|serve)$ ]] || {
+    echo "device_run.sh: unknown part '$p' (tests kernels compare prefill layer serve)" >&2; exit 2; }
 done
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -59,9 +58,6 @@ for p in "${parts[@]}"; do
       python3 -m tools.vllm_compare.compare --device gpu --vllm-python python3 --negative-control \
         --time-iters "${TIME_ITERS:-50}" --out-dir "$out" > "$log" 2>&1
       echo "compare rc=$?" >> "$log" ;;
-    fp8)
-      python3 bench/fp8_matmul.py --out "$out" "${flags[@]}" > "$log" 2>&1
-      echo "fp8_matmul.py rc=$?" >> "$log" ;;
     prefill)
       python3 bench/prefill.py --out "$out" "${flags[@]}" > "$log" 2>&1
       echo "prefill.py rc=$?" >> "$log" ;;
