@@ -7,6 +7,7 @@
 #   compare  tools.vllm_compare.compare compiled: the parity cases with both sides' times (carry .vllm_ops)
 #   prefill  bench/prefill.py: sparse prefill against the decode on a long chunk
 #   layer    bench/real_layer.py: one real-shaped dense and one MSA+MoE layer per rank
+#   fp8      bench/fp8_matmul.py: the weight-only fp8 matmul kernel vs XLA and bf16 (issue 47)
 #   serve    bench/serve_load.py: the OpenAI server under load (carry .whl with FastAPI/uvicorn wheels)
 # FLAGS after `--` go to every bench script of the call. $OUT gets one PART.log per part plus each
 # script's own files. TEST_TIMEOUT_S bounds the tests (default 200 s), KERNELS_BUDGET_S the
@@ -20,8 +21,8 @@ while (($#)); do
 done
 ((${#parts[@]})) || parts=(tests kernels)
 for p in "${parts[@]}"; do
-  [[ $p =~ ^(tests|kernels|compare|prefill|layer|serve)$ ]] || {
-    echo "device_run.sh: unknown part '$p' (tests kernels compare prefill layer serve)" >&2; exit 2; }
+  [[ $p =~ ^(tests|kernels|compare|prefill|layer|fp8|serve)$ ]] || {
+    echo "device_run.sh: unknown part '$p' (tests kernels compare prefill layer fp8 serve)" >&2; exit 2; }
 done
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -64,6 +65,9 @@ for p in "${parts[@]}"; do
     layer)
       python3 bench/real_layer.py --out "$out" "${flags[@]}" > "$log" 2>&1
       echo "real_layer.py rc=$?" >> "$log" ;;
+    fp8)
+      python3 bench/fp8_matmul.py --out "$out" "${flags[@]}" > "$log" 2>&1
+      echo "fp8_matmul.py rc=$?" >> "$log" ;;
     serve)
       transport=engine; python3 -c 'import fastapi, uvicorn, prometheus_client, httpx' 2>/dev/null \
         && transport=http
