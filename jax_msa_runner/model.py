@@ -14,6 +14,11 @@ tables, write the index key into the index-K cache, and attend through
 ``attention.layer.msa_layer_attention`` (indexer -> page top-k -> sparse attention). Other
 layers use dense paged causal attention.
 
+A linear weight is ``[in, out]`` in the model dtype or, from an fp8 checkpoint, an
+``Fp8Weight`` (values e4m3 ``[..., out, in]`` with their scales): ``linear`` runs those as
+weight-only fp8 matmuls (``fp8_matmul_default``); the routed experts' fp8 weights are
+dequantized one layer at a time inside the step.
+
 Params and caches are pytrees; every shape is static per bucket. ``dcp_world_size`` is
 passed through to ``attention.layer``, the one place that treats decode context
 parallelism differently. ``tp_size`` / ``ep_size`` > 1: the forward runs inside the step's
@@ -37,6 +42,8 @@ from jax_msa_runner.attention.parallel import (expert_offset, gather_vocab, moe_
                                                tensor_psum, vocab_embed)
 from jax_msa_runner.batch.metadata import BatchMetadata
 from jax_msa_runner.config import ModelConfig
+from pallas_kernels.fp8_matmul import Fp8Weight, dequantize
+from pallas_kernels.fp8_matmul_default import fp8_matmul_default
 
 # ---- parameters ------------------------------------------------------------------------------
 
@@ -157,10 +164,26 @@ def swigluoai(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
     return (up + 1.0) * gate * jax.nn.sigmoid(alpha * gate)
 
 
-def dense_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, alpha: float,
-              limit: float) -> jax.Array:
-    """swigluoai MLP: x [T, H] @ gate_up [H, 2I] -> act [T, I] @ down [I, H] -> [T, H]."""
-    return swigluoai(x @ gate_up, alpha, limit) @ down
+def linear(x: jax.Array, w) -> jax.Array:
+    """``x [..., in] @ w`` in x.dtype: w a dense ``[in, out]`` array, or an ``Fp8Weight``
+    (values ``[out, in]``) through the weight-only fp8 matmul (f32 accumulation)."""
+    if isinstance(w, Fp8Weight):
+        return fp8_matmul_default(x, w, out_dtype=x.dtype)
+    return x @ w
+
+
+def expert_weights(w, dtype) -> jax.Array:
+    """Routed experts' ``[E, in, out]`` weights: the array itself, or an ``Fp8Weight``
+    (values ``[E, out, in]``) dequantized to ``dtype`` (exact) and transposed."""
+    if isinstance(w, Fp8Weight):
+        return jnp.swapaxes(dequantize(w, dtype), -1, -2)
+    return w
+
+
+def dense_mlp(x: jax.Array, gate_up, down, alpha: float, limit: float) -> jax.Array:
+    """swigluoai MLP: x [T, H] @ gate_up [H, 2I] -> act [T, I] @ down [I, H] -> [T, H]
+    (either weight may be an ``Fp8Weight``, see ``linear``)."""
+    return linear(swigluoai(linear(x, gate_up), alpha, limit), down)
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, *, top_k: int,
@@ -231,9 +254,10 @@ def moe_mlp(layer: dict, x: jax.Array, token_mask: jax.Array, config: ModelConfi
     weights, experts, _ = route(x, layer["router"], layer.get("router_bias"),
                                 top_k=c.num_experts_per_tok,
                                 routed_scaling_factor=c.routed_scaling_factor)
-    gate_up = layer["experts_gate_up"]
-    part = routed_experts_partial(x, weights, experts, token_mask, gate_up,
-                                  layer["experts_down"], c.swiglu_alpha, c.swiglu_limit,
+    gate_up = expert_weights(layer["experts_gate_up"], x.dtype)
+    down = expert_weights(layer["experts_down"], x.dtype)
+    part = routed_experts_partial(x, weights, experts, token_mask, gate_up, down,
+                                  c.swiglu_alpha, c.swiglu_limit,
                                   first_expert=expert_offset(gate_up.shape[0], ep_size))
     out = moe_psum(part, tp_size, ep_size).astype(x.dtype)
     if c.shared_intermediate_size:
@@ -249,14 +273,14 @@ def _attention_block(layer: dict, x: jax.Array, kv_cache: jax.Array, index_cache
                      attention_mode: str, dcp_world_size: int, interpret: bool):
     c = config
     T = x.shape[0]
-    q = (x @ layer["q_proj"]).reshape(T, c.num_heads, c.head_dim)
-    k = (x @ layer["k_proj"]).reshape(T, c.num_kv_heads, c.head_dim)
-    v = (x @ layer["v_proj"]).reshape(T, c.num_kv_heads, c.head_dim)
+    q = linear(x, layer["q_proj"]).reshape(T, c.num_heads, c.head_dim)
+    k = linear(x, layer["k_proj"]).reshape(T, c.num_kv_heads, c.head_dim)
+    v = linear(x, layer["v_proj"]).reshape(T, c.num_kv_heads, c.head_dim)
     q = apply_partial_rope(gemma_rms_norm(q, layer["q_norm"], c.rms_norm_eps), cos, sin)
     k = apply_partial_rope(gemma_rms_norm(k, layer["k_norm"], c.rms_norm_eps), cos, sin)
     if is_msa:
-        iq = (x @ layer["index_q_proj"]).reshape(T, c.num_index_heads, c.index_dim)
-        ik = (x @ layer["index_k_proj"]).reshape(T, 1, c.index_dim)
+        iq = linear(x, layer["index_q_proj"]).reshape(T, c.num_index_heads, c.index_dim)
+        ik = linear(x, layer["index_k_proj"]).reshape(T, 1, c.index_dim)
         iq = apply_partial_rope(gemma_rms_norm(iq, layer["index_q_norm"], c.rms_norm_eps), cos, sin)
         ik = apply_partial_rope(gemma_rms_norm(ik, layer["index_k_norm"], c.rms_norm_eps), cos, sin)
         kv_cache, index_cache = write_layer_caches(kv_cache, index_cache, k, v, ik[:, 0], md,
@@ -270,7 +294,7 @@ def _attention_block(layer: dict, x: jax.Array, kv_cache: jax.Array, index_cache
                                          dcp_world_size=dcp_world_size)
         attn = dense_layer_attention(q, kv_cache, md, scale=c.scale,
                                      dcp_world_size=dcp_world_size)
-    out = attn.reshape(T, c.num_heads * c.head_dim) @ layer["o_proj"]
+    out = linear(attn.reshape(T, c.num_heads * c.head_dim), layer["o_proj"])
     return out, kv_cache, index_cache  # under TP: this rank's heads' partial sum
 
 

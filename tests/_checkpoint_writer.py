@@ -4,7 +4,9 @@
 gate/up projections, ``self_attn.index_*`` and a legacy ``config.json``;
 ``scheme="transformers"``: fused ``mlp.experts.gate_up_proj [E, 2I, H]`` /
 ``down_proj [E, H, I]``, ``mlp.gate.*``, ``self_attn.indexer.*`` and transformers' config
-names. ``vl=True`` nests the text model (released: ``language_model.model.*``,
+names. ``fp8="mxfp8" | "block128"`` stores every quantizable linear as float8_e4m3fn with
+its ``weight_scale_inv`` (our quantizers) and adds the ``quantization_config``.
+``vl=True`` nests the text model (released: ``language_model.model.*``,
 transformers: ``model.language_model.*``) and adds vision and MTP weights (which the loader
 must skip).
 """
@@ -12,12 +14,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
 from jax_msa_runner.config import ModelConfig
+from pallas_kernels.fp8_matmul import quantize_block128, quantize_mxfp8
+
+# checkpoint keys of the linears an fp8 checkpoint quantizes (both schemes)
+QUANTIZED_KEY = re.compile(r"\.(self_attn\.(q|k|v|o)_proj|self_attn\.(index_|indexer\.)(q|k)_proj"
+                           r"|mlp\.(gate_up|gate|up|down)_proj|shared_experts\.(gate_up|gate|up|down)_proj"
+                           r"|experts\.\d+\.w[123])\.weight$|\.experts\.(gate_up|down)_proj$")
 
 
 def hf_config(c: ModelConfig, scheme: str) -> dict:
@@ -106,9 +115,34 @@ def hf_tensors(params: dict, c: ModelConfig, scheme: str) -> dict[str, np.ndarra
     return out
 
 
+def quantize_tensors(tensors: dict[str, np.ndarray], fmt: str, excluded=()) -> dict:
+    """Every quantizable linear (``QUANTIZED_KEY``, not named in ``excluded``) as fp8 values
+    ``X`` + ``X_scale_inv`` (uint8 E8M0 for "mxfp8", f32 128x128 blocks for "block128")."""
+    quantize = quantize_mxfp8 if fmt == "mxfp8" else quantize_block128
+    out = {}
+    for k, v in tensors.items():
+        if QUANTIZED_KEY.search(k) and not any(k.startswith(e) for e in excluded):
+            w = quantize(np.asarray(v, np.float32))
+            out[k], out[k + "_scale_inv"] = np.asarray(w.values), np.asarray(w.scales)
+        else:
+            out[k] = v
+    return out
+
+
+def quant_config(fmt: str, excluded=()) -> dict:
+    """The ``quantization_config`` of an fp8 checkpoint written by ``quantize_tensors``."""
+    if fmt == "mxfp8":
+        return {"quant_method": "mxfp8", "ignored_layers": ["lm_head", *excluded]}
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head", *excluded]}
+
+
 def write_checkpoint(folder, params: dict, c: ModelConfig, *, scheme: str = "transformers",
-                     num_shards: int = 1, vl: bool = False, store_dtype=None) -> dict[str, np.ndarray]:
-    """Write ``folder``; returns the tensors written (by checkpoint key)."""
+                     num_shards: int = 1, vl: bool = False, store_dtype=None, fp8: str | None = None,
+                     fp8_excluded=()) -> dict[str, np.ndarray]:
+    """Write ``folder``; returns the tensors written (by checkpoint key). fp8: quantize the
+    linears (``quantize_tensors``; modules named in ``fp8_excluded`` stay unquantized)."""
     os.makedirs(folder, exist_ok=True)
     tensors = hf_tensors(params, c, scheme)
     if vl:  # released: language_model.model.* / language_model.lm_head; transformers:
@@ -130,6 +164,9 @@ def write_checkpoint(folder, params: dict, c: ModelConfig, *, scheme: str = "tra
     if store_dtype is not None:
         tensors = {k: v.astype(store_dtype) for k, v in tensors.items()}
     cfg = hf_config(c, scheme)
+    if fp8 is not None:
+        tensors = quantize_tensors(tensors, fp8, fp8_excluded)
+        cfg["quantization_config"] = quant_config(fp8, fp8_excluded)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"model_type": "minimax_m3_vl", "text_config": cfg} if vl else cfg, f)
     keys = sorted(tensors)

@@ -23,6 +23,10 @@ Layout on the 3-D mesh (``param_specs`` / ``cache_specs``):
     (``ragged_dot``, other copies sorted behind every group) and the combined partial
     outputs are summed with one psum over ("tensor", "expert"). No all-to-all yet.
     Attention, router and norms are replicated over "expert".
+  * fp8 linears (``Fp8Weight(values [..., out, in], scales)``, ``checkpoint.load``): values
+    and scales split like the dense weight with its last two axes swapped; gate|up rows in
+    the TP layout. A split must fall on a scale block (MXFP8: 32 inputs; block format: 128
+    rows and 128 inputs): ``put_param`` raises ConfigError naming the param where it does not.
   * caches are per-rank stacks ``[W, N, ...]`` sharded over "dcp" (W may be 1), KV leaves
     also over "tensor" on their head axis.
 """
@@ -40,12 +44,14 @@ from jax import lax
 from jax_msa_runner.attention.dcp import DCP_AXIS, check_config_mesh, mesh_for_config
 from jax_msa_runner.attention.paged_cache import KVCaches, init_kv_caches
 from jax_msa_runner.config import ConfigError, ModelConfig, RunnerConfig
+from pallas_kernels.fp8_matmul import BLOCK, MX_GROUP, Fp8Weight
 
 TENSOR_AXIS = "tensor"
 EXPERT_AXIS = "expert"
 MESH_AXES = (DCP_AXIS, TENSOR_AXIS, EXPERT_AXIS)
 # params whose last axis is a gate|up pair (split by intermediate size under TP)
 GATE_UP_PARAMS = ("gate_up_proj", "shared_gate_up", "experts_gate_up")
+FP8_FIELDS = ("values", "scales")  # an Fp8Weight's leaves: param paths "{param}.values" etc.
 
 
 def uses_model_mesh(rconfig: RunnerConfig) -> bool:
@@ -154,8 +160,13 @@ def gather_vocab(logits: jax.Array, tp: int) -> jax.Array:
 
 # ---- params ------------------------------------------------------------------------------------
 
-def param_spec(name: str, ndim: int) -> P:
-    """PartitionSpec of one param on the 3-D mesh, by its name (the last path component)."""
+def param_spec(name: str, ndim: int, fp8: bool = False) -> P:
+    """PartitionSpec of one param on the 3-D mesh, by its name (the last path component).
+    fp8: a leaf of the param's ``Fp8Weight`` (``[..., out, in]``: the dense spec with its
+    last two axes swapped)."""
+    if fp8:
+        dense = tuple(param_spec(name, ndim)) + (None,) * ndim
+        return P(*dense[:ndim - 2], dense[ndim - 1], dense[ndim - 2])
     if name in ("q_proj", "k_proj", "v_proj", "index_q_proj", "gate_up_proj", "shared_gate_up",
                 "lm_head"):
         return P(None, TENSOR_AXIS)
@@ -168,38 +179,82 @@ def param_spec(name: str, ndim: int) -> P:
     return P()  # norms, router, router_bias, index_k_proj
 
 
-def _param_name(path: str) -> str:
-    return path.rsplit(".", 1)[-1]
+def _param_name(path: str) -> tuple[str, str | None]:
+    """``"layers.3.q_proj"`` -> ("q_proj", None); ``"layers.3.q_proj.scales"`` -> ("q_proj",
+    "scales")."""
+    parts = path.split(".")
+    if parts[-1] in FP8_FIELDS and len(parts) > 1:
+        return parts[-2], parts[-1]
+    return parts[-1], None
+
+
+def _path_name(path) -> tuple[str, str | None]:
+    """``_param_name`` of a pytree key path (an Fp8Weight's field is a GetAttrKey)."""
+    return _param_name(".".join(_key_name(k) for k in path))
 
 
 def param_specs(params: dict) -> dict:
     """The PartitionSpec tree of ``params`` (same structure)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: param_spec(_key_name(path[-1]), x.ndim), params)
+    def spec(path, x):
+        name, field = _path_name(path)
+        return param_spec(name, x.ndim, fp8=field is not None)
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def _key_name(k) -> str:
-    return str(getattr(k, "key", getattr(k, "idx", k)))
+    return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
 
 
-def tp_layout(name: str, host: np.ndarray, tp: int) -> np.ndarray:
-    """A param's host array in the TP layout: gate|up params get their last axis reordered
-    to ``[gate_0 | up_0 | gate_1 | up_1 | ...]`` (TP chunks), every other param unchanged."""
+def tp_layout(name: str, host: np.ndarray, tp: int, axis: int = -1) -> np.ndarray:
+    """A param's host array in the TP layout: gate|up params get their gate|up ``axis`` (the
+    last; -2 for fp8 values and scales) reordered to ``[gate_0 | up_0 | gate_1 | up_1 | ...]``
+    (TP chunks), every other param unchanged."""
     if tp == 1 or name not in GATE_UP_PARAMS:
         return host
-    *lead, two_i = host.shape
+    x = np.moveaxis(np.asarray(host), axis, -1)
+    *lead, two_i = x.shape
     i = two_i // 2
-    x = np.asarray(host).reshape(*lead, 2, tp, i // tp)
-    return np.moveaxis(x, -3, -2).reshape(*lead, two_i)
+    x = np.moveaxis(x.reshape(*lead, 2, tp, i // tp), -3, -2).reshape(*lead, two_i)
+    return np.moveaxis(x, -1, axis)
 
 
-def put_param(path: str, host, mesh: Mesh) -> jax.Array:
-    """One param (host array in the checkpoint/``init_params`` layout) onto its shards of the
-    3-D mesh: each device receives only its slice (``jax.make_array_from_callback``)."""
-    name = _param_name(path)
-    host = np.asarray(host)
-    laid = tp_layout(name, host, mesh_size(mesh, TENSOR_AXIS))
-    sharding = NamedSharding(mesh, param_spec(name, host.ndim))
+def check_fp8_split(name: str, w: Fp8Weight, tp: int) -> None:
+    """ConfigError naming the param unless the TP split of its fp8 weight ``w`` (values
+    ``[..., out, in]``; uint8 scales: MXFP8, 32 inputs per scale; float32: 128 x 128 blocks)
+    falls on scale blocks."""
+    shape = tuple(w.values.shape)
+    mx = np.dtype(w.scales.dtype) == np.dtype(np.uint8)
+    spec = tuple(param_spec(_param_name(name)[0], len(shape), fp8=True)) + (None,) * len(shape)
+    for axis, label in ((len(shape) - 2, "output"), (len(shape) - 1, "input")):
+        if spec[axis] != TENSOR_AXIS:
+            continue
+        group = (1 if mx else BLOCK) if label == "output" else (MX_GROUP if mx else BLOCK)
+        halves = 2 if _param_name(name)[0] in GATE_UP_PARAMS and label == "output" else 1
+        part = shape[axis] // halves // tp
+        if part % group:
+            fmt = "MXFP8 (32 inputs per scale)" if mx else f"fp8 block ({BLOCK}x{BLOCK})"
+            raise ConfigError(f"{name}: tp_size={tp} splits its {label} dim "
+                              f"{shape[axis] // halves} into {part}-wide shards, not on the "
+                              f"{group}-element scale blocks of {fmt}")
+
+
+def put_param(path: str, host, mesh: Mesh):
+    """One param (host array in the checkpoint/``init_params`` layout, or an ``Fp8Weight`` of
+    host arrays as on disk) onto its shards of the 3-D mesh: each device receives only its
+    slice (``jax.make_array_from_callback``). ConfigError where the TP split of an fp8
+    weight misses its scale blocks."""
+    name, _ = _param_name(path)
+    tp = mesh_size(mesh, TENSOR_AXIS)
+    if isinstance(host, Fp8Weight):
+        if tp > 1:
+            check_fp8_split(path, host, tp)
+        return Fp8Weight(*(_put_leaf(name, np.asarray(x), mesh, tp, fp8=True) for x in host))
+    return _put_leaf(name, np.asarray(host), mesh, tp, fp8=False)
+
+
+def _put_leaf(name: str, host: np.ndarray, mesh: Mesh, tp: int, fp8: bool) -> jax.Array:
+    laid = tp_layout(name, host, tp, axis=-2 if fp8 else -1)
+    sharding = NamedSharding(mesh, param_spec(name, host.ndim, fp8=fp8))
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: laid[idx])
 
 
@@ -210,29 +265,41 @@ def param_putter(mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
 
 def place_params(params: dict, mesh: Mesh | None) -> dict:
     """Params on the default device, replicated over a DCP-only mesh, or sharded over the
-    3-D mesh (``put_param`` per leaf; names from the dict keys). On the 3-D mesh a leaf that
-    already has exactly its ``param_spec`` sharding on ``mesh`` is taken to be in the TP
-    layout already (``checkpoint.load(put=param_putter(mesh))``) and kept as it is."""
+    3-D mesh (``put_param`` per param; names from the dict keys). On the 3-D mesh a param
+    whose leaves already have exactly their ``param_spec`` sharding on ``mesh`` is taken to
+    be in the TP layout already (``checkpoint.load(put=param_putter(mesh))``) and kept."""
     if mesh is None or TENSOR_AXIS not in mesh.shape:
         return replicate(params, mesh)
 
-    def place(path, x):
-        name = _key_name(path[-1])
-        want = NamedSharding(mesh, param_spec(name, x.ndim))
-        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(want, x.ndim):
-            return x
-        return put_param(name, jax.device_get(x), mesh)
+    def placed(path, x) -> bool:
+        name, fp8 = _key_name(path[-1]), isinstance(x, Fp8Weight)
+        return all(isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(
+            NamedSharding(mesh, param_spec(name, leaf.ndim, fp8=fp8)), leaf.ndim)
+            for leaf in (x if fp8 else (x,)))
 
-    return jax.tree_util.tree_map_with_path(place, params)
+    def place(path, x):
+        if placed(path, x):
+            return x
+        return put_param(_key_name(path[-1]), jax.device_get(x), mesh)
+
+    return jax.tree_util.tree_map_with_path(place, params,
+                                            is_leaf=lambda x: isinstance(x, Fp8Weight))
+
+
+def bytes_by_device(tree) -> dict:
+    """{device: {dtype name: bytes}} of every leaf's addressable shards."""
+    out: dict = {}
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            per = out.setdefault(s.device, {})
+            name = str(s.data.dtype)
+            per[name] = per.get(name, 0) + s.data.size * s.data.dtype.itemsize
+    return out
 
 
 def param_bytes_per_device(params: dict) -> dict:
     """Bytes of the params held by each device: {device: bytes} (from addressable shards)."""
-    out: dict = {}
-    for x in jax.tree.leaves(params):
-        for s in x.addressable_shards:
-            out[s.device] = out.get(s.device, 0) + s.data.size * s.data.dtype.itemsize
-    return out
+    return {d: sum(per.values()) for d, per in bytes_by_device(params).items()}
 
 
 def _init_caches(mconfig: ModelConfig, num_pages: int) -> KVCaches:
