@@ -39,32 +39,18 @@ from jax_msa_runner.serving.kv_cache import pages_needed
 from jax_msa_runner.serving.runner import ModelRunner, serve
 from jax_msa_runner.serving.scheduler import Request, Scheduler
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REF_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
-HF_SIDE = os.path.join(REPO, "tools", "hf_reference", "hf_side.py")
-TRANSFORMERS_VERSION = "5.23.0"
+from _hf_env import HF_SIDE, REF_PYTHON, TRANSFORMERS_VERSION, check_reference_env
+
 PROMPT_LENS = (100, 3000)
 DECODE_STEPS = 16
 REL_TOL = 1e-4  # max |ours - HF| / max |HF| on f32 prefill logits
 CHUNK = 512  # our prefill chunk (tokens per step)
 
 
-def _check_reference_env():
-    if not os.path.exists(REF_PYTHON):
-        pytest.fail(f"{REF_PYTHON} is missing: the transformers reference env is built by "
-                    f"`make compare-env` (then transformers=={TRANSFORMERS_VERSION} from "
-                    f"tools/hf_reference/requirements.txt)")
-    probe = subprocess.run([REF_PYTHON, "-c", "import transformers, torch; "
-                            "print(transformers.__version__)"], capture_output=True, text=True)
-    if probe.returncode != 0 or probe.stdout.strip() != TRANSFORMERS_VERSION:
-        pytest.fail(f"{REF_PYTHON} lacks transformers=={TRANSFORMERS_VERSION} "
-                    f"({probe.stdout.strip() or probe.stderr.strip()[-300:]}): run `make compare-env`")
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["hkv1", "hkv2"])
 def case(request, tmp_path_factory):
     """(reference arrays, checkpoint folder, our config, our params) for one KV-head count."""
-    _check_reference_env()
+    check_reference_env()
     hkv = request.param
     out = tmp_path_factory.mktemp(f"hf_hkv{hkv}")
     t0 = time.perf_counter()
