@@ -289,6 +289,8 @@ def run_demo(plan: DemoPlan) -> int:
           f"{rep.compile_seconds:.1f}s; profiling pass at bucket {tuple(rep.profile_bucket)} "
           f"{rep.profile_seconds * 1e3:.0f} ms, peak device memory {peak}, step temp "
           f"{(rep.step_temp_bytes or 0) / 2**20:.1f} MiB, caches {rep.cache_bytes / 2**20:.1f} MiB")
+    for line in runner.memory_report(rep).lines():
+        print(line)
     sys.stdout.flush()  # the progress bar goes to stderr
     total = len(reqs)
     validation = "not run (use --debug)"

@@ -220,6 +220,8 @@ def run_serve(args: argparse.Namespace) -> int:
     rep = runner.warm_up()
     print(f"warm-up: {len(rep.buckets)} buckets, {rep.compilations} XLA compilations in "
           f"{rep.compile_seconds:.1f}s", flush=True)
+    for line in runner.memory_report(rep).lines():
+        print(line, flush=True)
     engine = Engine(runner, SchedulerConfig.from_runner(rc, num_pages),
                     tokenizer, max_queue=args.max_queue).start()
     app = build_app(engine, model_name=args.model_name)

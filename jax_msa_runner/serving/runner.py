@@ -45,6 +45,7 @@ from jax_msa_runner.batch.validate import validate_metadata
 from jax_msa_runner.config import ModelConfig, RunnerConfig, xla_compile_options
 from jax_msa_runner.model import compute_logits, forward, init_params
 from jax_msa_runner.serving.compile_count import CompileCounter
+from jax_msa_runner.serving.memory_report import MemoryReport, memory_report
 from jax_msa_runner.serving.sampling import (PenaltyState, SamplingRows, StepOutput,
                                              init_penalty_state, pack_rows, rows_buffer_size,
                                              sample_step, unpack_rows, unpack_step_output)
@@ -241,6 +242,14 @@ class ModelRunner:
             peak_bytes=stats.get("peak_bytes_in_use"),
             step_temp_bytes=getattr(mem, "temp_size_in_bytes", None) if mem is not None else None,
             cache_bytes=_nbytes(self.caches), param_bytes=_nbytes(self.params))
+
+    def memory_report(self, rep: WarmupReport | None = None) -> MemoryReport:
+        """Weights by dtype, the caches and the KV pages that fit on the busiest device
+        (``rep``: the warm-up's step temp)."""
+        stats = jax.local_devices()[0].memory_stats() or {}
+        return memory_report(self.params, self.caches, self.num_pages,
+                             step_temp_bytes=rep.step_temp_bytes if rep is not None else None,
+                             device_limit_bytes=stats.get("bytes_limit"))
 
     # ---- serving -------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> np.ndarray:
