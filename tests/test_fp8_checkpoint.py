@@ -77,10 +77,12 @@ def test_logits_equal_the_dequantized_dense_checkpoint(tmp_path, params, capsys,
     write_checkpoint(tmp_path / "dense", dequantized(loaded), CFG, scheme="transformers")
     np.save(tmp_path / "ids.npy", np.random.default_rng(3).integers(0, CFG.vocab_size, 150))
     outs = {}
-    for name in ("fp8", "dense"):
-        assert main(["logits", "--checkpoint", str(tmp_path / name), "--token-ids",
-                     str(tmp_path / "ids.npy"), "--out", str(tmp_path / f"{name}.npy"),
-                     "--dtype", "float32", "--max-num-batched-tokens", "64"]) == 0
+    for name in ("fp8", "dense"):  # full-precision f32 dots on a GPU too (not TF32)
+        with jax.default_matmul_precision("highest"):
+            rc = main(["logits", "--checkpoint", str(tmp_path / name), "--token-ids",
+                       str(tmp_path / "ids.npy"), "--out", str(tmp_path / f"{name}.npy"),
+                       "--dtype", "float32", "--max-num-batched-tokens", "64"])
+        assert rc == 0
         outs[name] = np.load(tmp_path / f"{name}.npy")
     capsys.readouterr()
     chex.assert_tree_all_finite(outs["fp8"])
@@ -239,6 +241,8 @@ TP_CFGS = {
 }
 
 
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="TP 2 needs two devices (the CPU suite has "
+                                                   "four host devices; a one-GPU machine one)")
 @pytest.mark.parametrize("fmt", ["mxfp8", "block128"])
 def test_tp2_shards_fp8_params_and_logits_equal_one_device(tmp_path, capsys, fmt):
     cfg = TP_CFGS[fmt]
@@ -262,10 +266,12 @@ def test_tp2_shards_fp8_params_and_logits_equal_one_device(tmp_path, capsys, fmt
     rng = np.random.default_rng(9)
     np.save(tmp_path / "ids.npy", rng.integers(0, cfg.vocab_size, 140))
     outs = {}
-    for tp in ("1", "2"):
-        assert main(["logits", "--checkpoint", str(tmp_path / "ckpt"), "--token-ids",
-                     str(tmp_path / "ids.npy"), "--out", str(tmp_path / f"tp{tp}.npy"),
-                     "--dtype", "float32", "--max-num-batched-tokens", "64", "--tp", tp]) == 0
+    for tp in ("1", "2"):  # full-precision f32 dots on a GPU too (not TF32)
+        with jax.default_matmul_precision("highest"):
+            rc = main(["logits", "--checkpoint", str(tmp_path / "ckpt"), "--token-ids",
+                       str(tmp_path / "ids.npy"), "--out", str(tmp_path / f"tp{tp}.npy"),
+                       "--dtype", "float32", "--max-num-batched-tokens", "64", "--tp", tp])
+        assert rc == 0
         outs[tp] = np.load(tmp_path / f"tp{tp}.npy")
     capsys.readouterr()
     chex.assert_trees_all_close(outs["2"], outs["1"], rtol=2e-5, atol=2e-5)
