@@ -15,10 +15,11 @@ accepted, text-only or VL (text weights under ``language_model.`` / ``model.lang
 Linear weights are stored ``[out, in]`` and become ``[in, out]`` here; gate and up halves
 are fused as ``[gate | up]``. An fp8 checkpoint's quantized linears (float8_e4m3fn weights
 with MXFP8 or 128x128 block scales, ``fp8_checkpoint``) stay fp8: ``Fp8Weight(values
-[..., out, in], scales)`` as on disk, gate and up as ``[gate; up]`` rows. Vision-tower, projector and MTP weights (and layers past a
-``num_layers`` truncation) are skipped, reported in one log line. Params are read one at a
-time (memory-mapped files, one host buffer per param) and placed on their devices before
-the next is read, so the model is never held twice in host memory.
+[..., out, in], scales)`` as on disk, gate and up as ``[gate; up]`` rows. Vision-tower,
+projector and MTP weights (and layers past a ``num_layers`` truncation) are skipped, reported
+in one log line. Params are read one at a time (memory-mapped files, one host buffer per
+param) and placed on their devices before the next is read, so the model is never held twice
+in host memory.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-from pallas_kernels.fp8_matmul import BLOCK, E8M0_MAX, MX_GROUP
+from pallas_kernels.fp8_matmul import BLOCK, E8M0_MAX, MX_GROUP, expected_scales_shape
 
 FP8_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
@@ -79,7 +79,8 @@ def read_quant_config(folder: str, top: Mapping[str, Any]) -> QuantConfig | None
     inner = qc.get("quantization") if isinstance(qc.get("quantization"), Mapping) else qc
     algo = str(inner.get("quant_algo", "")).upper()
     if method == "mxfp8" or algo == "MXFP8":
-        excluded = inner.get("ignored_layers", inner.get("exclude_modules", qc.get("ignored_layers")))
+        excluded = inner.get("ignored_layers",
+                             inner.get("exclude_modules", qc.get("ignored_layers")))
         return QuantConfig("mxfp8", _names("ignored_layers", excluded))
     if method == "fp8":
         block = qc.get("weight_block_size")
@@ -119,13 +120,10 @@ def module_name(weight_key: str) -> str:
 def expected_scale_shape(fmt: str, shape: tuple[int, ...], key: str) -> tuple[int, ...]:
     """Scale shape of an fp8 weight ``[..., out, in]`` named ``key``; Fp8CheckpointError where
     the block size does not divide ``in`` the way the format needs."""
-    *lead, n, k = shape
-    if fmt == "mxfp8":
-        if k % MX_GROUP:
-            raise Fp8CheckpointError(f"{key}: MXFP8 needs the input dim to be a multiple of "
-                                     f"{MX_GROUP} (one E8M0 scale per {MX_GROUP}), got {shape}")
-        return (*lead, n, k // MX_GROUP)
-    return (*lead, -(-n // BLOCK), -(-k // BLOCK))
+    if fmt == "mxfp8" and shape[-1] % MX_GROUP:
+        raise Fp8CheckpointError(f"{key}: MXFP8 needs the input dim to be a multiple of "
+                                 f"{MX_GROUP} (one E8M0 scale per {MX_GROUP}), got {shape}")
+    return expected_scales_shape(shape, fmt)
 
 
 def check_scales(fmt: str, key: str, scales: np.ndarray) -> None:

@@ -24,8 +24,10 @@ from jax_msa_runner.config import ModelConfig
 from pallas_kernels.fp8_matmul import quantize_block128, quantize_mxfp8
 
 # checkpoint keys of the linears an fp8 checkpoint quantizes (both schemes)
-QUANTIZED_KEY = re.compile(r"\.(self_attn\.(q|k|v|o)_proj|self_attn\.(index_|indexer\.)(q|k)_proj"
-                           r"|mlp\.(gate_up|gate|up|down)_proj|shared_experts\.(gate_up|gate|up|down)_proj"
+QUANTIZED_KEY = re.compile(r"\.(self_attn\.(q|k|v|o)_proj"
+                           r"|self_attn\.(index_|indexer\.)(q|k)_proj"
+                           r"|mlp\.(gate_up|gate|up|down)_proj"
+                           r"|shared_experts\.(gate_up|gate|up|down)_proj"
                            r"|experts\.\d+\.w[123])\.weight$|\.experts\.(gate_up|down)_proj$")
 
 
@@ -139,8 +141,8 @@ def quant_config(fmt: str, excluded=()) -> dict:
 
 
 def write_checkpoint(folder, params: dict, c: ModelConfig, *, scheme: str = "transformers",
-                     num_shards: int = 1, vl: bool = False, store_dtype=None, fp8: str | None = None,
-                     fp8_excluded=()) -> dict[str, np.ndarray]:
+                     num_shards: int = 1, vl: bool = False, store_dtype=None,
+                     fp8: str | None = None, fp8_excluded=()) -> dict[str, np.ndarray]:
     """Write ``folder``; returns the tensors written (by checkpoint key). fp8: quantize the
     linears (``quantize_tensors``; modules named in ``fp8_excluded`` stay unquantized)."""
     os.makedirs(folder, exist_ok=True)

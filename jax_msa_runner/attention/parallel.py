@@ -44,7 +44,7 @@ from jax import lax
 from jax_msa_runner.attention.dcp import DCP_AXIS, check_config_mesh, mesh_for_config
 from jax_msa_runner.attention.paged_cache import KVCaches, init_kv_caches
 from jax_msa_runner.config import ConfigError, ModelConfig, RunnerConfig
-from pallas_kernels.fp8_matmul import BLOCK, MX_GROUP, Fp8Weight
+from pallas_kernels.fp8_matmul import BLOCK, MX_GROUP, Fp8Weight, fp8_format
 
 TENSOR_AXIS = "tensor"
 EXPERT_AXIS = "expert"
@@ -223,13 +223,14 @@ def check_fp8_split(name: str, w: Fp8Weight, tp: int) -> None:
     ``[..., out, in]``; uint8 scales: MXFP8, 32 inputs per scale; float32: 128 x 128 blocks)
     falls on scale blocks."""
     shape = tuple(w.values.shape)
-    mx = np.dtype(w.scales.dtype) == np.dtype(np.uint8)
-    spec = tuple(param_spec(_param_name(name)[0], len(shape), fp8=True)) + (None,) * len(shape)
+    mx = fp8_format(w) == "mxfp8"
+    param = _param_name(name)[0]
+    spec = tuple(param_spec(param, len(shape), fp8=True)) + (None,) * len(shape)
     for axis, label in ((len(shape) - 2, "output"), (len(shape) - 1, "input")):
         if spec[axis] != TENSOR_AXIS:
             continue
         group = (1 if mx else BLOCK) if label == "output" else (MX_GROUP if mx else BLOCK)
-        halves = 2 if _param_name(name)[0] in GATE_UP_PARAMS and label == "output" else 1
+        halves = 2 if param in GATE_UP_PARAMS and label == "output" else 1
         part = shape[axis] // halves // tp
         if part % group:
             fmt = "MXFP8 (32 inputs per scale)" if mx else f"fp8 block ({BLOCK}x{BLOCK})"
