@@ -10,7 +10,7 @@ the same device buffers (DLPack) in one process:
   * indexer + select, fp8 (ours the same default): the same e4m3 index queries (bf16 rounded
     to e4m3) over the same e4m3 index-K cache on both sides, an fp8 x fp8 dot on each;
     bytes B*L*128 (on the L=65536 shapes unless --fp8 all);
-  * sparse decode: ours `sparse_decode_default` (Mosaic GPU at T*Hkv <= 264, else Triton) vs
+  * sparse decode: ours `sparse_decode_default` (Mosaic GPU at every shape) vs
     vLLM's `minimax_m3_sparse_attn_decode`, both on OUR selection; bytes = K and V of 16
     pages per KV head, B*Hkv*16*128*256*2;
   * the copy bandwidth (the roofline) in the same process.

@@ -12,8 +12,8 @@ Triton kernels unless ``backend`` names one.
   select, two Mosaic launches) for block tables of at most ``MAX_PAGES`` columns;
   ``"triton"`` (one fused launch after a counter memset) otherwise.
 - :func:`scores_backend` (scores alone): Mosaic wherever it is supported, Triton otherwise.
-- :func:`select_backend` (select alone): Mosaic for ``topk`` 16 and up to
-  :data:`MOSAIC_MAX_SELECT_TOKENS` tokens, Triton otherwise.
+- :func:`select_backend` (select alone): Mosaic for ``topk`` 16 and up to ``MAX_PAGES``
+  columns at any token count, Triton otherwise.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from pallas_kernels.index_select_mgpu import (DTYPES, HEAD_DIMS, MAX_HEADS, MAX_
                                               sparse_topk_select_mgpu)
 from pallas_kernels.topk_select import sparse_topk_select, validate_scores
 
-MOSAIC_MAX_SELECT_TOKENS = 64  # tokens up to which the select alone runs on Mosaic GPU
 BACKENDS = ("mosaic", "triton")
 
 
@@ -60,8 +59,7 @@ def scores_backend(num_heads: int, index_dim: int, q_dtype, k_dtype, *,
 
 def select_backend(num_tokens: int, max_pages: int, topk: int, *, interpreting: bool) -> str:
     """``"mosaic"`` or ``"triton"`` for a select call (see the module docstring)."""
-    if (interpreting or topk != TOPK or max_pages > MAX_PAGES
-            or num_tokens > MOSAIC_MAX_SELECT_TOKENS):
+    if interpreting or topk != TOPK or max_pages > MAX_PAGES:
         return "triton"
     return "mosaic"
 
@@ -131,5 +129,4 @@ def sparse_topk_select_default(scores, num_valid_pages, *, topk=TOPK, local_bloc
 
 
 __all__ = ["msa_index_select_default", "msa_index_scores_default", "sparse_topk_select_default",
-           "index_backend", "scores_backend", "select_backend", "MOSAIC_MAX_SELECT_TOKENS",
-           "BACKENDS"]
+           "index_backend", "scores_backend", "select_backend", "BACKENDS"]

@@ -3,11 +3,11 @@
 Both kernels compute :func:`pallas_kernels.sparse_decode.sparse_decode` (same arguments,
 results, safety boundary and reference). The Mosaic GPU kernel
 (:mod:`pallas_kernels.sparse_decode_mgpu`) is one launch with programmatic dependent launch;
-the Triton kernel (:mod:`pallas_kernels.sparse_decode`) reaches more of the copy bandwidth
-once its grid fills the GPU. :func:`decode_backend` picks Mosaic GPU for compiled calls of at
-most :data:`MOSAIC_MAX_ROWS` (token, KV head) rows whose dtype, head dim and GQA group it
-supports, Triton otherwise (bench/RESULTS.md has the measurements behind the bound).
-Interpreted calls (a CPU backend) run the Triton kernel unless ``backend`` names one.
+the Triton kernel (:mod:`pallas_kernels.sparse_decode`) is on JAX's deprecated Pallas Triton
+backend. :func:`decode_backend` picks Mosaic GPU for every compiled call whose dtype, head
+dim and GQA group it supports (prefill chunks included: a chunk's rows are decode rows to
+it), Triton otherwise. Interpreted calls (a CPU backend) run the Triton kernel unless
+``backend`` names one.
 """
 from __future__ import annotations
 
@@ -17,11 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._interpret import resolve_interpret
-from pallas_kernels._shapes import NUM_SMS_H200
 from pallas_kernels.sparse_decode import sparse_decode, validate_inputs
 from pallas_kernels.sparse_decode_mgpu import HEAD_DIMS, ROWS, sparse_decode_mgpu
 
-MOSAIC_MAX_ROWS = 2 * NUM_SMS_H200  # T * Hkv up to which the Mosaic GPU kernel is the default
 BACKENDS = ("mosaic", "triton")
 _MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -29,10 +27,10 @@ _MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 def decode_backend(num_rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype,
                    *, interpreting: bool) -> str:
     """``"mosaic"`` or ``"triton"`` for a call of ``num_rows = T * Hkv`` rows (see the module
-    docstring)."""
+    docstring; every row count runs on Mosaic GPU)."""
     mosaic_ok = (jnp.dtype(dtype) in _MOSAIC_DTYPES and head_dim in HEAD_DIMS
                  and num_q_heads // num_kv_heads <= ROWS)
-    if interpreting or not mosaic_ok or num_rows > MOSAIC_MAX_ROWS:
+    if interpreting or not mosaic_ok:
         return "triton"
     return "mosaic"
 
@@ -61,4 +59,4 @@ def sparse_decode_default(q, kv_cache, selected, block_table, req_indices, kv_le
                   interpret=interpret)
 
 
-__all__ = ["sparse_decode_default", "decode_backend", "MOSAIC_MAX_ROWS", "BACKENDS"]
+__all__ = ["sparse_decode_default", "decode_backend", "BACKENDS"]

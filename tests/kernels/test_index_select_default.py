@@ -21,7 +21,7 @@ from pallas_kernels.index_scores import msa_index_scores_reference
 from pallas_kernels.index_select import (msa_index_select, msa_index_select_reference,
                                          num_valid_pages_of)
 from pallas_kernels.index_select_default import (
-    BACKENDS, MOSAIC_MAX_SELECT_TOKENS, index_backend,
+    BACKENDS, index_backend,
     msa_index_scores_default, msa_index_select_default, scores_backend, select_backend,
     sparse_topk_select_default)
 from pallas_kernels.topk_select import sparse_topk_select_reference
@@ -57,8 +57,8 @@ def test_scores_backend_rule(h, di, q_dtype, k_dtype, interpreting, want):
 
 
 @pytest.mark.parametrize("t,p,topk,interpreting,want", [
-    (1, 40, TOPK, False, "mosaic"), (MOSAIC_MAX_SELECT_TOKENS, 512, TOPK, False, "mosaic"),
-    (MOSAIC_MAX_SELECT_TOKENS + 1, 512, TOPK, False, "triton"),
+    (1, 40, TOPK, False, "mosaic"), (64, 512, TOPK, False, "mosaic"),
+    (256, 512, TOPK, False, "mosaic"), (2048, 1024, TOPK, False, "mosaic"),
     (1, 2048, TOPK, False, "triton"), (1, 64, 8, False, "triton"), (1, 64, TOPK, True, "triton"),
 ])
 def test_select_backend_rule(t, p, topk, interpreting, want):

@@ -17,15 +17,15 @@ from _decode_batch import POISON_V, build_batch, decode_specs as _specs
 from _helpers import fresh_seed
 from pallas_kernels._lowering import custom_call_counts, lower_for_cuda
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
-from pallas_kernels.sparse_decode_default import (MOSAIC_MAX_ROWS, decode_backend,
+from pallas_kernels.sparse_decode_default import (decode_backend,
                                                   sparse_decode_default)
 
 
 @pytest.mark.parametrize("rows,hq,hkv,d,dtype,interpreting,want", [
     (1, 16, 1, 128, jnp.bfloat16, False, "mosaic"),
-    (MOSAIC_MAX_ROWS, 64, 4, 128, jnp.bfloat16, False, "mosaic"),
-    (MOSAIC_MAX_ROWS + 1, 16, 1, 128, jnp.bfloat16, False, "triton"),
-    (512, 64, 4, 128, jnp.float16, False, "triton"),
+    (264, 64, 4, 128, jnp.bfloat16, False, "mosaic"),
+    (265, 16, 1, 128, jnp.bfloat16, False, "mosaic"),  # every row count: Triton is deprecated
+    (8192, 64, 4, 128, jnp.float16, False, "mosaic"),  # a 2048-token chunk at 64/4
     (1, 16, 1, 128, jnp.float32, False, "triton"),   # wgmma operands are 16-bit
     (1, 16, 1, 256, jnp.bfloat16, False, "triton"),  # head dims 64 and 128 only
     (1, 128, 1, 128, jnp.bfloat16, False, "triton"),  # GQA group over 64 rows
@@ -40,7 +40,8 @@ def test_decode_backend_rule(rows, hq, hkv, d, dtype, interpreting, want):
     (16, 16, 1, jnp.bfloat16, "mosaic"), (16, 64, 4, jnp.bfloat16, "mosaic"),
     (32, 64, 4, jnp.bfloat16, "mosaic"), (128, 16, 1, jnp.bfloat16, "mosaic"),
     (66, 64, 4, jnp.bfloat16, "mosaic"), (264, 16, 1, jnp.bfloat16, "mosaic"),
-    (67, 64, 4, jnp.bfloat16, "triton"), (265, 16, 1, jnp.bfloat16, "triton"),
+    (67, 64, 4, jnp.bfloat16, "mosaic"), (265, 16, 1, jnp.bfloat16, "mosaic"),
+    (2048, 16, 1, jnp.bfloat16, "mosaic"), (2048, 64, 4, jnp.bfloat16, "mosaic"),
     (1, 16, 1, jnp.float32, "triton"),
 ])
 def test_lowers_to_the_chosen_kernel_for_h200(t, hq, hkv, dtype, want):
