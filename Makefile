@@ -18,7 +18,7 @@ demo: install
 TEST_WORKERS ?= 2
 
 test: install compare-env
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --durations=30 tests
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30 tests
 
 # Comparison against vLLM 0.33.0's MiniMax-M3 ops (README, "Comparison with vLLM"): a separate
 # Python 3.11 venv with CPU torch + triton (Triton's interpreter runs vLLM's kernels on CPU) and the

@@ -131,22 +131,41 @@ def test_v_ring_of_another_depth_matches_reference(num_splits, num_stages, num_v
                             num_v_stages=num_v_stages)
 
 
-@pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", BIG_CLUSTERS)
-def test_matches_reference_big_clusters(hq, hkv, d, num_splits, num_stages, long_first):
-    seed = fresh_seed()
-    if ON_GPU:
-        check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first)
-        return
+@pytest.fixture(scope="module")
+def big_cluster_failures():
+    """On a CPU backend: every BIG_CLUSTERS case, each on a fresh seed, checked in ONE
+    subprocess with ``PJRT_NPROC`` raised (one interpreter start for all of them; the
+    ``xdist_group`` keeps the cases on one worker). Returns ``{case index: error text}`` for
+    the cases that failed; the subprocess itself must exit cleanly."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
-    case = json.dumps([seed, hq, hkv, d, num_splits, num_stages, long_first])
-    code = ("import json, sys; sys.path[:0] = sys.argv[1:4]\n"
+    cases = json.dumps([[fresh_seed(), *case] for case in BIG_CLUSTERS])
+    code = ("import json, sys, traceback; sys.path[:0] = sys.argv[1:4]\n"
             "import test_sparse_decode_mgpu as m\n"
-            "m.check_matches_reference(*json.loads(sys.argv[4]))\n")
+            "failed = {}\n"
+            "for i, case in enumerate(json.loads(sys.argv[4])):\n"
+            "    try:\n"
+            "        m.check_matches_reference(*case)\n"
+            "    except Exception:\n"
+            "        failed[i] = traceback.format_exc()[-4000:]\n"
+            "print('FAILED ' + json.dumps(failed))\n")
     env = dict(os.environ, PJRT_NPROC="32", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", code, root, os.path.dirname(here), here, case],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", code, root, os.path.dirname(here), here, cases],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED ")][-1]
+    return {int(k): v for k, v in json.loads(line[len("FAILED "):]).items()}
+
+
+@pytest.mark.xdist_group("sparse_decode_big_clusters")
+@pytest.mark.parametrize("case", range(len(BIG_CLUSTERS)),
+                         ids=["-".join(map(str, c)) for c in BIG_CLUSTERS])
+def test_matches_reference_big_clusters(case, request):
+    if ON_GPU:
+        check_matches_reference(fresh_seed(), *BIG_CLUSTERS[case])
+        return
+    failures = request.getfixturevalue("big_cluster_failures")
+    assert case not in failures, failures[case]
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
