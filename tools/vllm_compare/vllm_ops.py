@@ -4,11 +4,17 @@ vLLM 0.33.0's MiniMax-M3 Triton ops live in two files of the wheel,
 ``vllm/models/minimax_m3/common/ops/{index_topk,sparse_attn}.py``. They import only
 ``vllm.platforms.current_platform`` (``is_cuda``, ``is_device_capability``,
 ``is_arch_support_pdl``), ``vllm.triton_utils`` (``tl``, ``triton``) and
-``vllm.utils.math_utils.round_up``. This builder copies the two files out of the wheel
-(checked against the wheel's RECORD hashes) and writes three small stand-in modules of
-our own for those helpers, so the ops import with only torch and triton installed (no
-vLLM install, no 336 MB wheel at run time). The output folder is built at run time and
-ignored by git; nothing of vLLM is committed.
+``vllm.utils.math_utils.round_up``. The dense attention benchmark (bench/dense_attention.py)
+also takes vLLM's pure-Triton paged attention, ``unified_attention`` of
+``vllm/v1/attention/ops/triton_unified_attention.py``, with the Triton helpers it imports
+(``vllm/v1/attention/ops/triton_attention_helpers.py``, which imports only
+``vllm.triton_utils``); beyond the helpers above it asks for ``vllm.envs``
+(``VLLM_BATCH_INVARIANT``), ``vllm.logger.init_logger``, ``current_platform.fp8_dtype`` and
+``is_device_capability_family``, and ``vllm.v1.kv_cache_interface.KVQuantMode``. This builder
+copies the four files out of the wheel (checked against the wheel's RECORD hashes) and writes
+small stand-in modules of our own for those helpers, so the ops import with only torch and
+triton installed (no vLLM install, no 336 MB wheel at run time). The output folder is built at
+run time and ignored by git; nothing of vLLM is committed.
 
 Standard library only, so it runs under any Python:
     python tools/vllm_compare/vllm_ops.py --wheel PATH_OR_DIR --out .vllm_ops
@@ -26,10 +32,21 @@ import zipfile
 VLLM_VERSION = "0.33.0"
 OPS_PACKAGE = "vllm/models/minimax_m3/common/ops"
 OP_FILES = ("index_topk.py", "sparse_attn.py")
+# vLLM's pure-Triton paged attention (the dense layers' kernel of its TRITON_ATTN backend).
+DENSE_OPS_PACKAGE = "vllm/v1/attention/ops"
+DENSE_OP_FILES = ("triton_unified_attention.py", "triton_attention_helpers.py")
 MANIFEST = "MANIFEST.json"
 
-# Stand-ins for the three vLLM helpers the op files import (our own code).
-_PLATFORMS = '''"""Stand-in for vllm.platforms: just what the MiniMax-M3 ops ask of current_platform."""
+
+def op_members() -> list[str]:
+    """The wheel members copied into the op folder."""
+    return ([f"{OPS_PACKAGE}/{n}" for n in OP_FILES]
+            + [f"{DENSE_OPS_PACKAGE}/{n}" for n in DENSE_OP_FILES])
+
+
+# Stand-ins for the vLLM helpers the op files import (our own code).
+_PLATFORMS = '''"""Stand-in for vllm.platforms: just what the MiniMax-M3 ops and the unified
+attention ask of current_platform."""
 import torch
 
 
@@ -58,6 +75,19 @@ class _CurrentPlatform:
         if isinstance(capability, int):
             return cap[0] * 10 + cap[1] == capability
         return tuple(cap) == tuple(capability)
+
+    @classmethod
+    def is_device_capability_family(cls, capability: int, device_id: int = 0) -> bool:
+        """Any <major>.x of ``capability`` (e.g. 100: 10.x), as vLLM's."""
+        cap = cls.get_device_capability(device_id)
+        if cap is None:
+            return False
+        return (cap[0] * 10 + cap[1]) // 10 == capability // 10
+
+    @staticmethod
+    def fp8_dtype():
+        """The platform's fp8 type: e4m3fn on CUDA (vLLM's choice off ROCm's fnuz parts)."""
+        return torch.float8_e4m3fn
 
     @classmethod
     def is_arch_support_pdl(cls) -> bool:
@@ -178,6 +208,54 @@ def round_up(x: int, y: int) -> int:
     return -(-x // y) * y
 '''
 
+_ENVS = '''"""Stand-in for vllm.envs: the one variable the unified attention reads (as vLLM's)."""
+import os
+
+VLLM_BATCH_INVARIANT = bool(int(os.getenv("VLLM_BATCH_INVARIANT", "0")))
+'''
+
+_LOGGER = '''"""Stand-in for vllm.logger: init_logger, with the *_once methods of vLLM's."""
+import logging
+
+
+class _OnceLogger(logging.LoggerAdapter):
+    def __init__(self, logger):
+        super().__init__(logger, {})
+        self._seen = set()
+
+    def _once(self, level, msg, *args):
+        if (level, msg, args) not in self._seen:
+            self._seen.add((level, msg, args))
+            self.log(level, msg, *args)
+
+    def debug_once(self, msg, *args, **_):
+        self._once(logging.DEBUG, msg, *args)
+
+    def info_once(self, msg, *args, **_):
+        self._once(logging.INFO, msg, *args)
+
+    def warning_once(self, msg, *args, **_):
+        self._once(logging.WARNING, msg, *args)
+
+
+def init_logger(name: str) -> _OnceLogger:
+    return _OnceLogger(logging.getLogger(name))
+'''
+
+_KV_CACHE_INTERFACE = '''"""Stand-in for vllm.v1.kv_cache_interface: the KV quantization modes
+the unified attention names (values as vLLM 0.33.0's KVQuantMode; the kernel takes them as a
+constexpr)."""
+from enum import IntEnum
+
+
+class KVQuantMode(IntEnum):
+    NONE = 0
+    FP8_PER_TENSOR = 1
+    INT8_PER_TOKEN_HEAD = 2
+    FP8_PER_TOKEN_HEAD = 3
+    INT4_PER_TOKEN_HEAD = 4
+'''
+
 
 def find_wheel(path: pathlib.Path) -> pathlib.Path:
     """The vLLM wheel itself, or the single ``vllm-<VLLM_VERSION>-*.whl`` inside a folder."""
@@ -206,7 +284,8 @@ def _sha256_record(data: bytes) -> str:
 
 
 def build(wheel: pathlib.Path, out: pathlib.Path) -> dict:
-    """Write ``out/vllm/...`` (two op files + stand-ins + package inits) and a manifest.
+    """Write ``out/vllm/...`` (the op files of :func:`op_members` + stand-ins + package inits)
+    and a manifest.
 
     Returns the manifest dict (wheel name, op file sha256s). Raises if an op file is
     missing from the wheel or does not match the wheel's RECORD.
@@ -215,19 +294,21 @@ def build(wheel: pathlib.Path, out: pathlib.Path) -> dict:
     files: dict[str, bytes] = {}
     with zipfile.ZipFile(wheel) as zf:
         hashes = _record_hashes(zf)
-        for name in OP_FILES:
-            member = f"{OPS_PACKAGE}/{name}"
+        for member in op_members():
             data = zf.read(member)
             if hashes.get(member) != _sha256_record(data):
                 raise ValueError(f"{member}: hash does not match the wheel's RECORD")
             files[member] = data
     packages = ["vllm", "vllm/models", "vllm/models/minimax_m3", "vllm/models/minimax_m3/common",
-                OPS_PACKAGE, "vllm/utils"]
+                OPS_PACKAGE, "vllm/utils", "vllm/v1", "vllm/v1/attention", DENSE_OPS_PACKAGE]
     for pkg in packages:
         files.setdefault(f"{pkg}/__init__.py", b'"""Namespace written by tools.vllm_compare.vllm_ops."""\n')
     files["vllm/platforms/__init__.py"] = _PLATFORMS.encode()
     files["vllm/triton_utils/__init__.py"] = _TRITON_UTILS.encode()
     files["vllm/utils/math_utils.py"] = _MATH_UTILS.encode()
+    files["vllm/envs.py"] = _ENVS.encode()
+    files["vllm/logger.py"] = _LOGGER.encode()
+    files["vllm/v1/kv_cache_interface.py"] = _KV_CACHE_INTERFACE.encode()
     for rel, data in files.items():
         dest = out / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -235,7 +316,7 @@ def build(wheel: pathlib.Path, out: pathlib.Path) -> dict:
     manifest = {
         "vllm_version": VLLM_VERSION,
         "wheel": wheel.name,
-        "op_files": {f"{OPS_PACKAGE}/{n}": _sha256_record(files[f"{OPS_PACKAGE}/{n}"]) for n in OP_FILES},
+        "op_files": {m: _sha256_record(files[m]) for m in op_members()},
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
