@@ -26,6 +26,7 @@ import time
 from typing import Sequence
 
 from jax_msa_runner.config import SchedulerConfig
+from jax_msa_runner.serving.compile_count import compile_count
 from jax_msa_runner.serving.metrics import ServerMetrics
 from jax_msa_runner.serving.runner import ModelRunner
 from jax_msa_runner.serving.sampling import (NUM_TOP_LOGPROBS, SamplingParamError,
@@ -220,6 +221,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._rng = random.SystemRandom()
         self._steps = 0
+        self._compile_base = compile_count()  # the runner is warmed up: serving adds none
+        self._compiles_seen = 0
         self.snapshot = self._make_snapshot()
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -419,6 +422,10 @@ class Engine:
         self.metrics.queue_depth.set(snap.waiting + self._pending_adds)
         self.metrics.running.set(snap.running)
         self.metrics.kv_pages_in_use.set(snap.pages_in_use)
+        compiles = compile_count() - self._compile_base
+        if compiles > self._compiles_seen:
+            self.metrics.compilations.inc(compiles - self._compiles_seen)
+            self._compiles_seen = compiles
 
 
 def _deliver(items) -> None:

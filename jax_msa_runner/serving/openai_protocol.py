@@ -7,9 +7,10 @@ Errors are ``APIError``s whose ``body()`` is ``{"error": {"message", "type", "pa
 the sampling fields, ``stream`` / ``stream_options``. Accepted beyond the OpenAI fields
 (as vLLM does): ``top_k`` (0 or -1: off), ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, and ``return_token_ids`` (adds ``token_ids`` to each
-choice or chunk). Not supported, and rejected when set to anything but their default: ``n``
-and ``best_of`` other than 1, ``echo``, ``suffix``, ``logit_bias``, tools, functions and
-``response_format``. Unknown fields are ignored.
+choice or chunk). ``n`` (1 to ``MAX_N``) copies sample independently (copy ``i`` of a seeded
+request uses seed ``seed + i``); ``logit_bias`` maps token ids (as strings) to biases in
+[-100, 100], added on the device. Not supported, and rejected when set to anything but their
+default: ``best_of`` other than 1, ``suffix``, functions. Unknown fields are ignored.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from jax_msa_runner.serving.sampling import SamplingParams
 from jax_msa_runner.serving.tokenizer_io import CHAT_ROLES, Tokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+MAX_N = 16  # choices per request
 
 
 class APIError(Exception):
@@ -89,8 +91,8 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
 
 
 def _reject_unsupported(body: dict, names: Sequence[str]) -> None:
-    checks = {"n": lambda v: v == 1, "best_of": lambda v: v == 1, "echo": lambda v: v is False,
-              "logit_bias": lambda v: v == {}}  # the others: any value but null is rejected
+    checks = {"best_of": lambda v: v == 1, "echo": lambda v: v is False}
+    # the others: any value but null is rejected
     for name in names:
         v = body.get(name)
         if v is None:
@@ -121,6 +123,7 @@ class ParsedRequest:
     return_token_ids: bool
     logprobs: int | None
     fields: dict[str, str]
+    n: int = 1
 
     def params(self, max_tokens: int) -> GenerationParams:
         return GenerationParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.generation)
@@ -134,6 +137,36 @@ def check_model(body: dict, model_name: str) -> None:
         raise APIError(400, f"model: the model {json.dumps(model)} does not exist; this server "
                             f"serves {json.dumps(model_name)}", param="model",
                        code="model_not_found")
+
+
+def _choices(body: dict) -> int:
+    n = _integer(body, "n", 1)
+    if not 1 <= n <= MAX_N:
+        raise bad_request("n", f"must be in [1, {MAX_N}], got {n}")
+    return n
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs (ids and values are range-checked with the
+    other sampling parameters)."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise bad_request("logit_bias", "must be an object mapping token ids to biases",
+                          "invalid_type")
+    pairs = []
+    for key, value in raw.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise bad_request("logit_bias", f"keys must be token ids, got {json.dumps(key)}",
+                              "invalid_type") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad_request("logit_bias", f"bias of token {tok} must be a number, got "
+                                            f"{json.dumps(value)}", "invalid_type")
+        pairs.append((tok, float(value)))
+    return tuple(pairs)
 
 
 def _generation_fields(body: dict) -> dict[str, Any]:
@@ -160,7 +193,8 @@ def _generation_fields(body: dict) -> dict[str, Any]:
         top_p=_number(body, "top_p", 1.0), min_p=_number(body, "min_p", 0.0),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0))
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        logit_bias=_logit_bias(body))
     return dict(sampling=sampling, seed=_integer(body, "seed", None), stop=stop,
                 stop_token_ids=tuple(ids), ignore_eos=_boolean(body, "ignore_eos", False))
 
@@ -188,7 +222,7 @@ def _token_ids(value) -> list[int] | None:
 def parse_completion(body: dict, model_name: str) -> ParsedRequest:
     """/v1/completions: prompt (string, token ids, or a batch of one), max_tokens (16)."""
     check_model(body, model_name)
-    _reject_unsupported(body, ("n", "best_of", "echo", "suffix", "logit_bias"))
+    _reject_unsupported(body, ("best_of", "echo", "suffix"))
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise bad_request("prompt", "is required", "missing_required_parameter")
@@ -220,7 +254,8 @@ def parse_completion(body: dict, model_name: str) -> ParsedRequest:
                          include_usage=include_usage,
                          return_token_ids=_boolean(body, "return_token_ids", False),
                          logprobs=logprobs, fields={"prompt": "prompt", "max_tokens": "max_tokens",
-                                                    "logprobs": "logprobs"})
+                                                    "logprobs": "logprobs"},
+                         n=_choices(body))
 
 
 def _message_text(msg: Any, i: int) -> tuple[str, str]:
@@ -253,8 +288,8 @@ def parse_chat(body: dict, model_name: str, tokenizer: Tokenizer) -> ParsedReque
     """/v1/chat/completions: messages through the tokenizer's chat template; max_tokens (or
     max_completion_tokens) defaults to what max_model_len leaves after the prompt."""
     check_model(body, model_name)
-    _reject_unsupported(body, ("n", "logit_bias", "tools", "functions", "tool_choice",
-                               "function_call", "response_format"))
+    _reject_unsupported(body, ("tools", "functions", "tool_choice", "function_call",
+                               "response_format"))
     messages = body.get("messages", _MISSING)
     if messages is _MISSING or messages is None:
         raise bad_request("messages", "is required", "missing_required_parameter")
@@ -278,7 +313,7 @@ def parse_chat(body: dict, model_name: str, tokenizer: Tokenizer) -> ParsedReque
                          return_token_ids=_boolean(body, "return_token_ids", False),
                          logprobs=(top or 0) if want else None,
                          fields={"prompt": "messages", "max_tokens": field,
-                                 "logprobs": "top_logprobs"})
+                                 "logprobs": "top_logprobs"}, n=_choices(body))
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -308,21 +343,23 @@ def chat_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer) -> dict
 
 
 def completion_choice(text: str, finish_reason: str | None, logprobs: dict | None,
-                      token_ids: Sequence[int] | None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                      token_ids: Sequence[int] | None, index: int = 0) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs,
+              "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)
     return choice
 
 
 def chat_choice(text: str | None, finish_reason: str | None, logprobs: dict | None,
-                token_ids: Sequence[int] | None, *, delta: bool, first: bool = False) -> dict:
+                token_ids: Sequence[int] | None, *, delta: bool, first: bool = False,
+                index: int = 0) -> dict:
     if delta:
         msg = {"role": "assistant", "content": text or ""} if first else (
             {"content": text} if text else {})
-        choice = {"index": 0, "delta": msg}
+        choice = {"index": index, "delta": msg}
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        choice = {"index": index, "message": {"role": "assistant", "content": text}}
     choice.update(logprobs=logprobs, finish_reason=finish_reason)
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)

@@ -1,13 +1,17 @@
-"""The model runner: one compiled step per bucket, warm-up through dummy batches, serving.
+"""The model runner: compiled steps per bucket, warm-up through dummy batches, serving.
 
 A step takes ONE int32 host buffer per call (``[packed metadata | token ids | per-row
 sampling parameters]``, floats bitcast; layout in ``sampling``), stages the
 ``BatchMetadata`` on the device with ``stage_packed`` inside the compiled step, runs the
 model (writing the caches in place: the cache pytree is donated), and samples one token per
-request row on the device (``sampling.sample_step``: penalties from the donated per-slot
-penalty state, greedy or temperature / top-k / top-p / min-p with key
-``fold_in(key(seed), output_index)``, the model's logprobs of the chosen and the top-20
-tokens). Its one int32 output array comes back in one copy.
+request row on the device. A step is two executables per bucket, launched back to back:
+``forward_step`` (staging and the model) and ``sampling_step``, whose extra inputs (logit
+biases, token masks of structured outputs) the host prepares while the device runs the
+forward; steps without biases or masks pass device-resident neutral extras. The sampling
+(``sampling.sample_step``): penalties from the donated per-slot penalty state, greedy or
+temperature / top-k / top-p / min-p with key ``fold_in(key(seed), output_index)``, the
+model's logprobs of the chosen and the top-20 tokens. Its one int32 output array comes back
+in one copy.
 
 Start-up (``warm_up``) compiles every bucket ahead of time on the inputs of a
 ``stage_dummy_batch`` dummy batch and runs it (the analogue of CUDA-graph capture), then
@@ -46,8 +50,9 @@ from jax_msa_runner.config import ModelConfig, RunnerConfig, xla_compile_options
 from jax_msa_runner.model import compute_logits, forward, init_params
 from jax_msa_runner.serving.compile_count import CompileCounter
 from jax_msa_runner.serving.memory_report import MemoryReport, memory_report
-from jax_msa_runner.serving.sampling import (PenaltyState, SamplingRows, StepOutput,
-                                             init_penalty_state, pack_rows, rows_buffer_size,
+from jax_msa_runner.serving.sampling import (PenaltyState, SamplingExtras, SamplingRows,
+                                             StepOutput, bias_arrays, init_penalty_state,
+                                             neutral_extras, pack_rows, rows_buffer_size,
                                              sample_step, unpack_rows, unpack_step_output)
 from jax_msa_runner.serving.scheduler import ScheduledBatch, Scheduler
 
@@ -92,40 +97,66 @@ def _model_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: 
     return logits, logits, caches, md
 
 
-def serve_step(params: dict, caches: KVCaches, penalties: PenaltyState, host_buf: jax.Array, *,
-               bucket: Bucket, rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
-               interpret: bool = False, mesh: Mesh | None = None, attention_mode: str = "msa",
-               all_token_logits: bool = False
-               ) -> tuple[jax.Array, jax.Array, KVCaches, PenaltyState, BatchMetadata]:
-    """One serving step for ``bucket`` (static). host_buf int32 [host_buffer_size(bucket)].
+def forward_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
+                 rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
+                 interpret: bool = False, mesh: Mesh | None = None, attention_mode: str = "msa",
+                 all_token_logits: bool = False
+                 ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
+    """The model half of one serving step for ``bucket`` (static). host_buf int32
+    [host_buffer_size(bucket)].
 
     attention_mode (static): "msa" (what the runner serves) or "dense" (every MSA layer on
     dense paged attention over the same caches: the baseline of ``bench/serving.py``).
-
     Without DCP (rconfig.dcp_world_size == 1, mesh None) caches are leaves [N, ...]. With
     DCP, mesh is the "dcp" mesh of W devices and caches are per-rank stacks [W, N_local, ...]
-    sharded over it; the model runs in one shard_map (params, host_buf replicated) and the
-    sampling after it on the replicated logits.
-    penalties: ``sampling.PenaltyState`` with max_num_seqs + 1 slots.
-    Returns (the step output int32 [R, 2 + 2K] (``sampling.sample_step``; token -1 on padded
-    rows), logits f32 [R, V] of each row's last token (with all_token_logits (static):
-    [T, V] of every token), updated caches, updated penalties, the staged metadata).
+    sharded over it; the model runs in one shard_map (params, host_buf replicated).
+    Returns (logits f32 [R, V] of each row's last token, the step's logits (with
+    all_token_logits (static): [T, V] of every token), updated caches, the staged metadata).
     """
     body = functools.partial(_model_body, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
                              attention_impl=attention_impl, interpret=interpret,
                              attention_mode=attention_mode, all_token_logits=all_token_logits)
-    row_logits, logits, caches, md = per_rank_step(body, rconfig, mesh)(params, caches, host_buf)
+    return per_rank_step(body, rconfig, mesh)(params, caches, host_buf)
+
+
+def sampling_step(row_logits: jax.Array, md: BatchMetadata, penalties: PenaltyState,
+                  host_buf: jax.Array, extras: SamplingExtras, *, bucket: Bucket
+                  ) -> tuple[jax.Array, PenaltyState]:
+    """The sampling half of one serving step (``sampling.sample_step`` on the rows of
+    ``host_buf``): (the step output int32 [R, 2 + 2K], token -1 on padded rows; the updated
+    penalties). A separate executable, so the host can compute token masks while the device
+    runs :func:`forward_step`."""
     o = packed_size(bucket) + bucket.num_tokens
     rows = unpack_rows(host_buf[o:], bucket.num_reqs)
-    out, penalties = sample_step(row_logits, rows, md, host_buf[o - bucket.num_tokens:o],
-                                 penalties)
+    return sample_step(row_logits, rows, md, host_buf[o - bucket.num_tokens:o], penalties,
+                       extras)
+
+
+def serve_step(params: dict, caches: KVCaches, penalties: PenaltyState, host_buf: jax.Array, *,
+               bucket: Bucket, rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
+               interpret: bool = False, mesh: Mesh | None = None, attention_mode: str = "msa",
+               all_token_logits: bool = False, extras: SamplingExtras | None = None
+               ) -> tuple[jax.Array, jax.Array, KVCaches, PenaltyState, BatchMetadata]:
+    """:func:`forward_step` then :func:`sampling_step` in one function (benchmarks; the
+    runner launches the two separately). ``extras`` None: no biases or masks.
+    Returns (step output, logits, caches, penalties, metadata)."""
+    row_logits, logits, caches, md = forward_step(
+        params, caches, host_buf, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
+        attention_impl=attention_impl, interpret=interpret, mesh=mesh,
+        attention_mode=attention_mode, all_token_logits=all_token_logits)
+    if extras is None:
+        extras = SamplingExtras(*map(jnp.asarray, neutral_extras(bucket.num_reqs,
+                                                                 mconfig.vocab_size)))
+    out, penalties = sampling_step(row_logits, md, penalties, host_buf, extras, bucket=bucket)
     return out, logits, caches, penalties, md
 
 
-_serve_step_jit = jax.jit(serve_step, static_argnames=("bucket", "rconfig", "mconfig",
-                                                       "attention_impl", "interpret", "mesh",
-                                                       "attention_mode", "all_token_logits"),
-                          donate_argnames=("caches", "penalties"))
+_forward_jit = jax.jit(forward_step, static_argnames=("bucket", "rconfig", "mconfig",
+                                                      "attention_impl", "interpret", "mesh",
+                                                      "attention_mode", "all_token_logits"),
+                       donate_argnames=("caches",))
+_sampling_jit = jax.jit(sampling_step, static_argnames=("bucket",),
+                        donate_argnames=("penalties",))
 
 
 # ---- the runner ------------------------------------------------------------------------------
@@ -183,7 +214,8 @@ class ModelRunner:
         self.num_pages = num_pages
         self.last_logits: jax.Array | None = None
         self.last_launch = self.last_ready = 0.0
-        self._compiled: dict[Bucket, Callable] = {}
+        self._compiled: dict[Bucket, tuple[Callable, Callable]] = {}  # (forward, sampling)
+        self._neutral: dict[Bucket, SamplingExtras] = {}
         self.validated_steps = 0
 
     # ---- start-up ------------------------------------------------------------------------
@@ -200,11 +232,37 @@ class ModelRunner:
         """The host buffer on the device (replicated over the mesh under DCP)."""
         return replicate(buf, self.mesh)
 
-    def _run(self, bucket: Bucket, buf: np.ndarray):
+    def _neutral_extras(self, bucket: Bucket) -> SamplingExtras:
+        """The bucket's device-resident extras without biases or masks (made once)."""
+        if bucket not in self._neutral:
+            host = neutral_extras(bucket.num_reqs, self.mconfig.vocab_size)
+            self._neutral[bucket] = SamplingExtras(*map(self._put, host))
+        return self._neutral[bucket]
+
+    def _extras(self, bucket: Bucket, biases, masks: np.ndarray | None) -> SamplingExtras:
+        """This step's extras: the neutral device arrays where no row has a bias or a mask,
+        else host arrays of the bucket's shape (rows past the batch neutral)."""
+        extras = self._neutral_extras(bucket)
+        if any(biases):
+            ids, vals = bias_arrays(biases, bucket.num_reqs)
+            extras = extras._replace(bias_ids=self._put(ids), bias_values=self._put(vals))
+        if masks is not None:
+            full = np.full((bucket.num_reqs, masks.shape[1]), -1, np.int32)
+            full[:masks.shape[0]] = masks
+            extras = extras._replace(token_mask=self._put(full))
+        return extras
+
+    def _run(self, bucket: Bucket, buf: np.ndarray, biases=(), token_masks=None):
+        """Launch the bucket's forward, then (while the device runs it) ``token_masks()``
+        on the host, then the sampling; returns (step output, metadata) on the device."""
         dev_buf = self._put(buf)
+        forward, sampling = self._compiled[bucket]
         self.last_launch = time.perf_counter()
-        out, self.last_logits, self.caches, self.penalties, md = self._compiled[bucket](
-            self.params, self.caches, self.penalties, dev_buf)
+        row_logits, self.last_logits, self.caches, md = forward(self.params, self.caches,
+                                                                dev_buf)
+        masks = token_masks() if token_masks is not None else None
+        out, self.penalties = sampling(row_logits, md, self.penalties, dev_buf,
+                                       self._extras(bucket, biases, masks))
         return out, md
 
     def warm_up(self) -> WarmupReport:
@@ -212,17 +270,22 @@ class ModelRunner:
         t0 = time.perf_counter()
         with CompileCounter() as cc:
             for bucket in self.buckets:
-                buf = self._dummy_buffer(bucket, "default", None)
-                lowered = _serve_step_jit.lower(self.params, self.caches, self.penalties,
-                                                self._put(buf),
-                                                bucket=bucket, rconfig=self.rconfig,
-                                                mconfig=self.mconfig,
-                                                attention_impl=self.attention_impl,
-                                                interpret=self.interpret, mesh=self.mesh,
-                                                all_token_logits=self.all_token_logits)
-                self._compiled[bucket] = lowered.compile(
-                    compiler_options=xla_compile_options(self.rconfig.command_buffers))
-                nxt, md = self._run(bucket, buf)  # the "capture" run
+                host = self._dummy_buffer(bucket, "default", None)
+                buf = self._put(host)
+                lowered = _forward_jit.lower(self.params, self.caches, buf,
+                                             bucket=bucket, rconfig=self.rconfig,
+                                             mconfig=self.mconfig,
+                                             attention_impl=self.attention_impl,
+                                             interpret=self.interpret, mesh=self.mesh,
+                                             all_token_logits=self.all_token_logits)
+                options = xla_compile_options(self.rconfig.command_buffers)
+                forward = lowered.compile(compiler_options=options)
+                row_logits, _, self.caches, md = forward(self.params, self.caches, buf)
+                sampling = _sampling_jit.lower(row_logits, md, self.penalties, buf,
+                                               self._neutral_extras(bucket),
+                                               bucket=bucket).compile(compiler_options=options)
+                self._compiled[bucket] = (forward, sampling)
+                nxt, md = self._run(bucket, host)  # the "capture" run
                 if self.debug:
                     validate_metadata(md, self.rconfig)
                 jax.block_until_ready(nxt)
@@ -235,7 +298,7 @@ class ModelRunner:
         profile_s = time.perf_counter() - t1
         validate_metadata(md, self.rconfig)
         stats = jax.local_devices()[0].memory_stats() or {}
-        mem = self._compiled[big].memory_analysis()
+        mem = self._compiled[big][0].memory_analysis()
         return WarmupReport(
             buckets=self.buckets, compile_seconds=compile_s, compilations=cc.count,
             profile_bucket=big, profile_seconds=profile_s,
@@ -256,11 +319,14 @@ class ModelRunner:
         """Run one scheduled batch; returns the sampled token of every row (int32 [n])."""
         return self.execute_step(batch).tokens
 
-    def execute_step(self, batch: ScheduledBatch) -> StepOutput:
+    def execute_step(self, batch: ScheduledBatch, token_masks: Callable[[], np.ndarray | None]
+                     | None = None) -> StepOutput:
         """Run one scheduled batch; returns every row's token and logprobs (n rows).
 
-        Raises ValueError when a row's slot is outside [0, max_num_seqs) or a token id
-        outside [0, vocab_size).
+        token_masks: called on the host while the device runs the model; returns None or the
+        rows' token bitmasks int32 [n, ceil(V / 32)] (``sampling`` module docstring; all ones
+        for an unconstrained row). Raises ValueError when a row's slot is outside [0,
+        max_num_seqs) or a token id outside [0, vocab_size).
         """
         if not self._compiled:
             raise RuntimeError("ModelRunner.execute before warm_up(): buckets are not compiled")
@@ -275,7 +341,8 @@ class ModelRunner:
         packed = pack_host_batch(batch.num_scheduled, batch.num_computed, batch.block_table, bucket,
                                  self.rconfig)
         buf = pack_step_inputs(packed, tokens, batch.sampling, bucket)
-        out, md = self._run(bucket, buf)
+        biases = [r.sampling.logit_bias for r in batch.requests]
+        out, md = self._run(bucket, buf, biases, token_masks)
         result = unpack_step_output(np.asarray(out), batch.num_reqs)
         self.last_ready = time.perf_counter()
         if self.debug:

@@ -26,8 +26,15 @@ sampled rows divide by the temperature, then top-k, top-p (over the top-k set) a
 (relative to the most likely token) mask tokens to -inf, skipped through ``lax.cond``
 when no row sets one (ties at a threshold are kept); the draw is
 ``categorical(fold_in(key(seed), sample_index))``, independent of the batch.
-Logprobs are the model's: ``log_softmax`` of the raw logits (before penalties and
-temperature), for the chosen token and the top ``NUM_TOP_LOGPROBS``.
+Then, before greedy or sampled picking, each row's ``logit_bias`` (up to
+``MAX_LOGIT_BIAS`` (token id, bias) pairs, ``SamplingExtras.bias_ids`` / ``bias_values``
+[R, B], id -1 = unused) is added, and the row's token mask (``SamplingExtras.token_mask``
+int32 [R, ceil(V / 32)], bit ``v % 32`` of word ``v // 32`` set = token ``v`` allowed:
+llguidance's bitmask layout; all ones = unconstrained) sets disallowed tokens to -inf.
+These extras are separate step inputs: a step without biases or masks passes device-resident
+neutral ones and copies nothing.
+Logprobs are the model's: ``log_softmax`` of the raw logits (before penalties, biases, masks
+and temperature), for the chosen token and the top ``NUM_TOP_LOGPROBS``.
 
 Step output (one int32 array, one device-to-host copy): ``[R, 2 + 2K]`` with columns
 ``token | bits(logprob) | top ids (K) | bits(top logprobs) (K)``; token -1 on padded rows.
@@ -46,6 +53,8 @@ import numpy as np
 from jax_msa_runner.batch.metadata import BatchMetadata
 
 NUM_TOP_LOGPROBS = 20  # K: top logprobs every step returns per row
+MAX_LOGIT_BIAS = 300  # B: (token id, bias) pairs per request (the OpenAI API's limit)
+LOGIT_BIAS_BOUND = 100.0  # |bias| <= this
 INT_FIELDS = ("seed", "sample_index", "top_k", "slot", "prompt_len")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty")
@@ -77,12 +86,26 @@ def _integer(name: str, value) -> int:
 
 
 def check_sampling(*, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
-                   repetition_penalty, seed, vocab_size: int | None = None) -> None:
+                   repetition_penalty, seed, logit_bias=(), vocab_size: int | None = None
+                   ) -> None:
     """Raises SamplingParamError naming the first parameter outside its bound.
 
     temperature [0, 2]; top_k 0 (off) or [1, vocab_size]; top_p (0, 1]; min_p [0, 1];
-    presence/frequency penalty [-2, 2]; repetition_penalty (0, 2]; seed an int32.
+    presence/frequency penalty [-2, 2]; repetition_penalty (0, 2]; seed an int32;
+    logit_bias at most MAX_LOGIT_BIAS (token id in [0, vocab_size), bias in [-100, 100]) pairs.
     """
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise SamplingParamError("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got "
+                                               f"{len(logit_bias)}")
+    for tok, bias in logit_bias:
+        tok = _integer("logit_bias", tok)
+        if tok < 0 or (vocab_size is not None and tok >= vocab_size):
+            raise SamplingParamError("logit_bias", f"token id {tok} is outside the vocabulary "
+                                                   f"[0, {vocab_size})")
+        b = _finite("logit_bias", bias)
+        if not -LOGIT_BIAS_BOUND <= b <= LOGIT_BIAS_BOUND:
+            raise SamplingParamError("logit_bias", f"bias of token {tok} must be in "
+                                                   f"[-100, 100], got {b}")
     t = _finite("temperature", temperature)
     if not 0.0 <= t <= 2.0:
         raise SamplingParamError("temperature", f"must be in [0, 2], got {t}")
@@ -113,8 +136,9 @@ def check_sampling(*, temperature, top_k, top_p, min_p, presence_penalty, freque
 class SamplingParams:
     """How one request picks its tokens, in the OpenAI API's names: temperature (0: greedy),
     top_k (0: off), top_p, min_p, and the presence, frequency and repetition penalties
-    (neutral: 0, 0 and 1). The one definition of these knobs: the scheduler's ``Request`` and
-    the engine's ``GenerationParams`` both hold one."""
+    (neutral: 0, 0 and 1), and ``logit_bias`` ((token id, bias) pairs added to the logits).
+    The one definition of these knobs: the scheduler's ``Request`` and the engine's
+    ``GenerationParams`` both hold one."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -123,6 +147,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def check(self, *, seed, vocab_size: int | None = None) -> None:
         """:func:`check_sampling` of these knobs and ``seed``."""
@@ -181,6 +206,51 @@ def unpack_rows(buf: jax.Array, num_reqs: int) -> SamplingRows:
         col = buf[i * R:(i + 1) * R]
         cols[f] = col if f in INT_FIELDS else jax.lax.bitcast_convert_type(col, jnp.float32)
     return SamplingRows(**cols)
+
+
+class SamplingExtras(NamedTuple):
+    """The step's sparse per-row inputs: bias_ids int32 [R, B] (-1 = unused),
+    bias_values f32 [R, B], token_mask int32 [R, ceil(V / 32)] (all ones = unconstrained)."""
+
+    bias_ids: jax.Array | np.ndarray
+    bias_values: jax.Array | np.ndarray
+    token_mask: jax.Array | np.ndarray
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's token bitmask."""
+    return -(-vocab_size // 32)
+
+
+def neutral_extras(num_reqs: int, vocab_size: int) -> SamplingExtras:
+    """Host extras of R rows without biases or masks."""
+    return SamplingExtras(np.full((num_reqs, MAX_LOGIT_BIAS), -1, np.int32),
+                          np.zeros((num_reqs, MAX_LOGIT_BIAS), np.float32),
+                          np.full((num_reqs, mask_words(vocab_size)), -1, np.int32))
+
+
+def bias_arrays(biases, num_reqs: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [R, B], values f32 [R, B]) of the rows' ``logit_bias`` pair tuples."""
+    ids = np.full((num_reqs, MAX_LOGIT_BIAS), -1, np.int32)
+    vals = np.zeros((num_reqs, MAX_LOGIT_BIAS), np.float32)
+    for r, pairs in enumerate(biases):
+        for j, (tok, b) in enumerate(pairs):
+            ids[r, j], vals[r, j] = tok, b
+    return ids, vals
+
+
+def apply_bias_and_mask(logits: jax.Array, extras: SamplingExtras) -> jax.Array:
+    """Biases added, then masked tokens at -inf; logits f32 [R, V]."""
+    R, V = logits.shape
+    rows = jnp.arange(R, dtype=jnp.int32)[:, None]
+    ids = jnp.where(extras.bias_ids >= 0, extras.bias_ids, V)  # unused: out of bounds, dropped
+    logits = logits.at[rows, ids].add(extras.bias_values, mode="drop")
+    W = extras.token_mask.shape[1]
+    padded = jnp.pad(logits, ((0, 0), (0, W * 32 - V))).reshape(R, W, 32)
+    bit = jnp.arange(32, dtype=jnp.int32)
+    allowed = (jnp.right_shift(extras.token_mask[:, :, None].view(jnp.uint32),
+                               bit[None, None, :].astype(jnp.uint32)) & 1) == 1
+    return jnp.where(allowed, padded, -jnp.inf).reshape(R, W * 32)[:, :V]
 
 
 # ---- penalty state ------------------------------------------------------------------------------
@@ -268,15 +338,20 @@ def step_output_width(vocab_size: int) -> int:
 
 
 def sample_step(logits: jax.Array, rows: SamplingRows, md: BatchMetadata, tokens: jax.Array,
-                state: PenaltyState) -> tuple[jax.Array, PenaltyState]:
+                state: PenaltyState, extras: SamplingExtras | None = None
+                ) -> tuple[jax.Array, PenaltyState]:
     """The sampling stage of one step.
 
     logits f32 [R, V] (each row's last token), rows: jnp [R], tokens int32 [T] (the step's
-    inputs). Returns (int32 [R, step_output_width(V)], the updated penalty state).
+    inputs), extras: the rows' biases and token masks (None: none). Returns (int32 [R,
+    step_output_width(V)], the updated penalty state).
     """
     K = min(NUM_TOP_LOGPROBS, logits.shape[-1])
     state, counts, seen = track_tokens(state, rows, md, tokens)
-    chosen = sample_rows(apply_penalties(logits, counts, seen, rows), rows)
+    if extras is None:
+        extras = SamplingExtras(*map(jnp.asarray, neutral_extras(*logits.shape)))
+    picked = apply_bias_and_mask(apply_penalties(logits, counts, seen, rows), extras)
+    chosen = sample_rows(picked, rows)
     chosen = jnp.where(md.req_mask, chosen, -1)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_lp, top_ids = jax.lax.top_k(logprobs, K)

@@ -13,6 +13,7 @@ benchmarks); ``jax-msa-runner serve`` runs it in the foreground.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
@@ -82,37 +83,47 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def submit(parsed: ParsedRequest) -> RequestStream:
+    async def submit(parsed: ParsedRequest) -> list[RequestStream]:
+        """The request's ``n`` copies in the engine (copy i of a seeded request: seed + i);
+        all or none: a copy the engine refuses aborts the ones already queued."""
         ids = parsed.prompt_ids
         if ids is None:
             ids = await asyncio.to_thread(tokenizer.encode, parsed.prompt_text)
         max_tokens = parsed.max_tokens
         if max_tokens is None:
             max_tokens = max(1, max_model_len - len(ids))
+        params = parsed.params(max_tokens)
+        streams: list[RequestStream] = []
         try:
-            return engine.submit(ids, parsed.params(max_tokens))
+            for i in range(parsed.n):
+                seed = None if params.seed is None else params.seed + i
+                streams.append(engine.submit(ids, dataclasses.replace(params, seed=seed)))
         except (SamplingParamError, RequestRejectedError) as e:
+            _abort_all(engine, streams)
             field = {"max_new_tokens": "max_tokens"}.get(e.field, e.field)
             param = parsed.fields.get(field, field)
             msg = str(e).removeprefix(f"{e.field}: ").replace("max_new_tokens", param)
             raise bad_request(param, msg) from None
         except QueueFullError as e:
+            _abort_all(engine, streams)
             raise APIError(503, f"server overloaded: {e}; retry later", type="server_error",
                            code="queue_full") from None
         except EngineDeadError as e:
+            _abort_all(engine, streams)
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+        return streams
 
     async def generate(request: Request, chat: bool):
         body = parse_json_object(await request.body())
         parsed = parse_chat(body, model_name, tokenizer) if chat else parse_completion(body,
                                                                                        model_name)
-        stream = await submit(parsed)
+        streams = await submit(parsed)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if parsed.stream:
-            return _EventStream(_stream_events(engine, stream, parsed, rid, created_now(),
-                                               model_name), engine, stream)
-        collect = asyncio.ensure_future(_collect(stream, parsed, rid, created_now(), model_name,
-                                                 tokenizer))
+            return _EventStream(_stream_events(engine, streams, parsed, rid, created_now(),
+                                               model_name), engine, streams)
+        collect = asyncio.ensure_future(_collect(streams, parsed, rid, created_now(),
+                                                 model_name, tokenizer))
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -120,7 +131,7 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
             gone.cancel()
             if not collect.done():
                 collect.cancel()
-                engine.abort(stream.request_id)
+                _abort_all(engine, streams)
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(collect.result())
@@ -140,12 +151,18 @@ def created_now() -> int:
     return int(time.time())
 
 
-async def _collect(stream: RequestStream, parsed: ParsedRequest, rid: str, created: int,
-                   model: str, tokenizer) -> dict:
-    """The non-streamed response body of a request (waits for it to finish)."""
+def _abort_all(engine: Engine, streams) -> None:
+    for stream in streams:
+        if not stream.finished:
+            engine.abort(stream.request_id)
+
+
+async def _collect_one(stream: RequestStream, parsed: ParsedRequest, index: int,
+                       tokenizer) -> tuple[dict, int]:
+    """One copy's choice and its output token count (waits for it to finish)."""
     text, ids, entries, offsets = [], [], [], []
     length = 0
-    reason, n_prompt, n_out = None, stream.num_prompt_tokens, 0
+    reason, n_out = None, 0
     try:
         async for ev in stream:
             if ev.logprobs is not None:
@@ -161,20 +178,58 @@ async def _collect(stream: RequestStream, parsed: ParsedRequest, rid: str, creat
     out = "".join(text)
     if parsed.chat:
         lp = chat_logprobs(entries, tokenizer) if parsed.logprobs is not None else None
-        choice = chat_choice(out, reason, lp, token_ids, delta=False)
-    else:
-        lp = completion_logprobs(entries, tokenizer, offsets) if parsed.logprobs is not None else None
-        choice = completion_choice(out, reason, lp, token_ids)
-    return envelope(rid, created, model, chat=parsed.chat, chunk=False, choices=[choice],
-                    usage_body=usage(n_prompt, n_out))
+        return chat_choice(out, reason, lp, token_ids, delta=False, index=index), n_out
+    lp = completion_logprobs(entries, tokenizer, offsets) if parsed.logprobs is not None else None
+    return completion_choice(out, reason, lp, token_ids, index=index), n_out
 
 
-async def _stream_events(engine: Engine, stream: RequestStream, parsed: ParsedRequest, rid: str,
-                         created: int, model: str):
-    """Server-sent events of one request (``_EventStream`` aborts it if they stop early)."""
+async def _collect(streams: list[RequestStream], parsed: ParsedRequest, rid: str, created: int,
+                   model: str, tokenizer) -> dict:
+    """The non-streamed response body of a request: its copies' choices in index order;
+    usage counts the prompt once and every copy's output."""
+    done = await asyncio.gather(*(_collect_one(s, parsed, i, tokenizer)
+                                  for i, s in enumerate(streams)))
+    return envelope(rid, created, model, chat=parsed.chat, chunk=False,
+                    choices=[c for c, _ in done],
+                    usage_body=usage(streams[0].num_prompt_tokens, sum(n for _, n in done)))
+
+
+async def _merged(streams: list[RequestStream]):
+    """(copy index, RequestOutput) of every copy as they arrive; an EngineDeadError ends it."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for ev in stream:
+                await queue.put((i, ev))
+        except EngineDeadError as e:
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, ev = await queue.get()
+            if ev is None:
+                left -= 1
+            elif isinstance(ev, BaseException):
+                raise ev
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _stream_events(engine: Engine, streams: list[RequestStream], parsed: ParsedRequest,
+                         rid: str, created: int, model: str):
+    """Server-sent events of one request's copies (``_EventStream`` aborts them if they stop
+    early)."""
     tok = engine.tokenizer
     chat = parsed.chat
-    length, n_out = 0, 0
+    length = [0] * len(streams)
+    n_out = [0] * len(streams)
 
     def chunk(choice, usage_body=None):
         return _sse(envelope(rid, created, model, chat=chat, chunk=True,
@@ -182,44 +237,45 @@ async def _stream_events(engine: Engine, stream: RequestStream, parsed: ParsedRe
 
     try:
         if chat:
-            yield chunk(chat_choice("", None, None, [] if parsed.return_token_ids else None,
-                                    delta=True, first=True))
-        async for ev in stream:
-            n_out = ev.num_output_tokens
+            for i in range(len(streams)):
+                yield chunk(chat_choice("", None, None, [] if parsed.return_token_ids else None,
+                                        delta=True, first=True, index=i))
+        async for i, ev in _merged(streams):
+            n_out[i] = ev.num_output_tokens
             if not ev.text and ev.finish_reason is None and not parsed.return_token_ids \
                     and parsed.logprobs is None:
                 continue
             ids = ev.token_ids if parsed.return_token_ids else None
             if chat:
                 lp = chat_logprobs(ev.logprobs, tok) if ev.logprobs is not None else None
-                yield chunk(chat_choice(ev.text, ev.finish_reason, lp, ids, delta=True))
+                yield chunk(chat_choice(ev.text, ev.finish_reason, lp, ids, delta=True,
+                                        index=i))
             else:
-                lp = (completion_logprobs(ev.logprobs, tok, [length] * len(ev.logprobs))
+                lp = (completion_logprobs(ev.logprobs, tok, [length[i]] * len(ev.logprobs))
                       if ev.logprobs is not None else None)
-                yield chunk(completion_choice(ev.text, ev.finish_reason, lp, ids))
-            length += len(ev.text)
+                yield chunk(completion_choice(ev.text, ev.finish_reason, lp, ids, index=i))
+            length[i] += len(ev.text)
         if parsed.include_usage:
-            yield chunk(None, usage(stream.num_prompt_tokens, n_out))
+            yield chunk(None, usage(streams[0].num_prompt_tokens, sum(n_out)))
         yield "data: [DONE]\n\n"
     except EngineDeadError as e:
         yield _sse(APIError(503, str(e), type="server_error", code="engine_unavailable").body())
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events that abort their request however the response ends (finished,
-    client gone, cancelled), unless it finished."""
+    """Server-sent events that abort their request's copies however the response ends
+    (finished, client gone, cancelled), unless they finished."""
 
-    def __init__(self, events, engine: Engine, stream: RequestStream):
+    def __init__(self, events, engine: Engine, streams: list[RequestStream]):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
-        self._engine, self._stream = engine, stream
+        self._engine, self._streams = engine, streams
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self._stream.finished:
-                self._engine.abort(self._stream.request_id)
+            _abort_all(self._engine, self._streams)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -134,8 +134,8 @@ def test_all_token_logits_rows_and_sampling_agree():
 
 
 def test_step_compiles_with_the_configured_command_buffers(monkeypatch):
-    """RunnerConfig.command_buffers reaches XLA: every bucket's step is compiled with
-    the options of ``COMMAND_BUFFERS[name]`` (None for XLA's defaults), and a runner compiled
+    """RunnerConfig.command_buffers reaches XLA: every bucket's step (its forward and its
+    sampling executable) is compiled with the options of ``COMMAND_BUFFERS[name]`` (None for XLA's defaults), and a runner compiled
     without custom calls in command buffers serves the same greedy tokens as one with XLA's
     defaults."""
     want = {"xla": None, "no-custom-calls": {"xla_gpu_enable_command_buffer":
@@ -157,7 +157,7 @@ def test_step_compiles_with_the_configured_command_buffers(monkeypatch):
         seen.clear()
         runner = ModelRunner(mc, rc, num_pages=8, seed=5, attention_impl="reference")
         runner.warm_up()
-        assert seen == [want[name]] * 2, seen
+        assert seen == [want[name]] * 4, seen  # 2 buckets x (forward, sampling)
         sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16,
                                           max_model_len=256, num_pages=8))
         for i, n in enumerate((21, 5)):

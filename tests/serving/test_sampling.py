@@ -195,3 +195,43 @@ def test_sample_step_output_layout_and_logprobs():
     for r in range(2):
         npt.assert_array_equal(res.top_ids[r], np.argsort(-lp[r], kind="stable")[:K])
         npt.assert_allclose(res.top_logprobs[r], np.sort(lp[r])[::-1][:K], rtol=1e-6)
+
+
+def test_logit_bias_and_token_mask():
+    """Biases add to the named tokens only; masked tokens are never picked (greedy or
+    sampled); the neutral extras leave the logits unchanged bit for bit; bounds named."""
+    from jax_msa_runner.serving.sampling import (MAX_LOGIT_BIAS, SamplingExtras,
+                                                 apply_bias_and_mask, bias_arrays,
+                                                 mask_words, neutral_extras)
+    R, V = 3, 70  # 70: not a multiple of 32
+    logits = jax.random.normal(jax.random.key(fresh := np.random.randint(1 << 30)), (R, V))
+    neutral = SamplingExtras(*map(jnp.asarray, neutral_extras(R, V)))
+    chex.assert_trees_all_equal(jax.jit(apply_bias_and_mask)(logits, neutral), logits)
+    ids, vals = bias_arrays([((5, 100.0), (69, -3.5)), (), ((0, -100.0),)], R)
+    chex.assert_shape((ids, vals), ((R, MAX_LOGIT_BIAS),) * 2)
+    biased = apply_bias_and_mask(logits, neutral._replace(bias_ids=jnp.asarray(ids),
+                                                          bias_values=jnp.asarray(vals)))
+    want = np.asarray(logits).copy()
+    want[0, 5] += 100.0
+    want[0, 69] -= 3.5
+    want[2, 0] -= 100.0
+    chex.assert_trees_all_close(biased, want, atol=1e-6)
+    mask = np.zeros((R, mask_words(V)), np.int32)  # row 0: only 3 and 66; rows 1-2: all
+    mask[0, 0] = 1 << 3
+    mask[0, 2] = 1 << 2
+    mask[1:] = -1
+    masked = apply_bias_and_mask(logits, neutral._replace(token_mask=jnp.asarray(mask)))
+    allowed = np.isfinite(np.asarray(masked[0]))
+    npt.assert_array_equal(np.flatnonzero(allowed), [3, 66], err_msg=f"seed {fresh}")
+    chex.assert_trees_all_equal(masked[1:], logits[1:])
+    rows = as_jnp(rows_of(R, temperature=[1.0, 0.0, 0.0], seed=[1, 2, 3]))
+    for i in range(5):
+        pick = _sample(masked, rows._replace(sample_index=jnp.full((R,), i, jnp.int32)))
+        assert int(pick[0]) in (3, 66)
+    ok = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0,
+              frequency_penalty=0.0, repetition_penalty=1.0, seed=0)
+    for bias, match in ((((V, 1.0),), "outside the vocabulary"), (((1, 101.0),), r"\[-100, 100\]"),
+                        (tuple((i, 1.0) for i in range(MAX_LOGIT_BIAS + 1)), "at most")):
+        with pytest.raises(SamplingParamError, match=match) as e:
+            check_sampling(**ok, logit_bias=bias, vocab_size=V)
+        assert e.value.field == "logit_bias"

@@ -1,0 +1,118 @@
+"""The OpenAI features beyond plain sampling, live through the ``openai`` client: ``n``
+copies (streamed and not, seeded copies repeat and equal the offline runner with seed
+``seed + i``), ``logit_bias`` applied on the device, and ``/metrics``'s compilation counter
+(0 while serving). A random tiny model: every guarantee checked here comes from the server,
+not from what the model happens to prefer.
+"""
+import re
+
+import httpx
+import openai
+import pytest
+
+from jax_msa_runner.config import ModelConfig, RunnerConfig, SchedulerConfig
+from jax_msa_runner.serving.engine import Engine, GenerationParams, make_request
+from jax_msa_runner.serving.runner import ModelRunner, serve
+from jax_msa_runner.serving.sampling import SamplingParams
+from jax_msa_runner.serving.scheduler import Scheduler
+from jax_msa_runner.serving.server import ServerThread, build_app
+from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
+
+MC = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), num_heads=4, head_dim=32,
+                      rotary_dim=16, index_dim=32)
+RC = RunnerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
+                  bucket_sizes=(8, 32))
+MODEL = "tiny-features"
+TOK = ByteTokenizer(MC.vocab_size)
+PROMPT = "Seeded copies"
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.95)
+
+
+def _offline(runner, cases):
+    """Token ids of each (prompt ids, GenerationParams) on the runner alone."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                      max_model_len=256, num_pages=runner.num_pages))
+    for i, (prompt, params) in enumerate(cases):
+        sched.add_request(make_request(i, prompt, params, seed=params.seed or 0,
+                                       eos_token_ids=()))
+    serve(runner, sched)
+    return [list(sched.finished[i].output) for i in range(len(cases))]
+
+
+@pytest.fixture(scope="module")
+def live():
+    runner = ModelRunner(MC, RC, num_pages=2 + 24, seed=3, attention_impl="reference")
+    runner.warm_up()
+    seeded = [(TOK.encode(PROMPT), GenerationParams(max_tokens=8, seed=77 + i, sampling=SAMPLED))
+              for i in range(3)]
+    greedy = [(TOK.encode("bias"), GenerationParams(max_tokens=6))]
+    ref = _offline(runner, seeded + greedy)
+    engine = Engine(runner, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                            max_model_len=256, num_pages=2 + 24), TOK,
+                    max_queue=32).start()
+    server = ServerThread(build_app(engine, model_name=MODEL)).start()
+    yield {"url": server.url, "seeded": ref[:3], "greedy": ref[3], "engine": engine}
+    server.stop()
+    engine.shutdown()
+
+
+def client(live):
+    return openai.OpenAI(base_url=live["url"] + "/v1", api_key="none", max_retries=0)
+
+
+def test_n_copies_repeat_their_seeds_streamed_or_not(live):
+    c = client(live)
+    extra = {"return_token_ids": True}
+    r = c.completions.create(model=MODEL, prompt=PROMPT, n=3, max_tokens=8, seed=77,
+                             temperature=1.0, top_p=0.95, extra_body=extra)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.token_ids for ch in r.choices] == live["seeded"]
+    assert r.usage.prompt_tokens == len(PROMPT) and r.usage.completion_tokens == 24
+    got = {0: [], 1: [], 2: []}
+    for chunk in c.completions.create(model=MODEL, prompt=PROMPT, n=3, max_tokens=8, seed=77,
+                                      temperature=1.0, top_p=0.95, stream=True,
+                                      extra_body=extra):
+        for ch in chunk.choices:
+            got[ch.index] += ch.token_ids
+    assert [got[i] for i in range(3)] == live["seeded"]
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                     n=2, max_tokens=4, seed=5, temperature=1.0)
+    assert [ch.index for ch in chat.choices] == [0, 1]
+    assert all(ch.message.role == "assistant" for ch in chat.choices)
+
+
+def test_logit_bias_forces_and_bans_tokens(live):
+    c = client(live)
+    forced = c.completions.create(model=MODEL, prompt="bias", max_tokens=6, temperature=0,
+                                  logit_bias={"65": 100}, extra_body={"return_token_ids": True})
+    assert forced.choices[0].token_ids == [65] * 6  # "A"
+    assert live["greedy"] != [65] * 6  # not what the model prefers unbiased
+    first = live["greedy"][0]
+    banned = c.completions.create(model=MODEL, prompt="bias", max_tokens=6, temperature=0,
+                                  logit_bias={str(first): -100},
+                                  extra_body={"return_token_ids": True})
+    assert banned.choices[0].token_ids[0] != first
+    sampled = c.completions.create(model=MODEL, prompt="bias", max_tokens=6, temperature=1.0,
+                                   seed=3, logit_bias={"66": 100},
+                                   extra_body={"return_token_ids": True})
+    assert sampled.choices[0].token_ids == [66] * 6
+
+
+def test_bad_n_and_bias_get_400_and_serving_goes_on(live):
+    c = client(live)
+    for kw, param in ((dict(n=0), "n"), (dict(logit_bias={str(MC.vocab_size): 1}), "logit_bias"),
+                      (dict(logit_bias={"1": -101}), "logit_bias")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=MODEL, prompt="x", max_tokens=1, **kw)
+        assert e.value.body["param"] == param
+    ok = c.completions.create(model=MODEL, prompt="bias", max_tokens=6, temperature=0,
+                              extra_body={"return_token_ids": True})
+    assert ok.choices[0].token_ids == live["greedy"]
+
+
+def test_no_compilation_after_warm_up_in_metrics(live):
+    client(live).completions.create(model=MODEL, prompt="metrics", max_tokens=3, n=2,
+                                    logit_bias={"70": 5})
+    text = httpx.get(live["url"] + "/metrics").text
+    m = re.search(r"^jax_msa_compilations_after_warmup_total (\S+)$", text, re.M)
+    assert m is not None and float(m.group(1)) == 0.0, text[:2000]
