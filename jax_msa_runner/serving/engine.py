@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Sequence
 
+import numpy as np
+
 from jax_msa_runner.config import SchedulerConfig
 from jax_msa_runner.serving.compile_count import compile_count
 from jax_msa_runner.serving.metrics import ServerMetrics
@@ -52,7 +54,8 @@ class GenerationParams:
 
     sampling: the token-picking knobs (temperature, top_k, top_p, min_p, penalties).
     logprobs: None for no logprobs, else N in [0, 20]: the chosen token's logprob and the
-    top N alternatives. stop: up to 16 non-empty strings (not part of the output);
+    top N alternatives. prompt_logprobs: the same for the prompt's tokens (each one's logprob
+    given the tokens before it; the first has none), computed in the prefill. stop: up to 16 non-empty strings (not part of the output);
     stop_token_ids: ids that end the generation (their text is not part of the output);
     seed None: a random one. ignore_eos: do not stop at the tokenizer's eos tokens.
     """
@@ -64,6 +67,7 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None
 
     def check(self, vocab_size: int) -> None:
         """Raises SamplingParamError naming the first field outside its bound."""
@@ -82,11 +86,12 @@ class GenerationParams:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise SamplingParamError("stop_token_ids", f"ids must be integers in "
                                                            f"[0, {vocab_size}), got {t!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool)
-                                          or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= NUM_TOP_LOGPROBS):
-            raise SamplingParamError("logprobs", f"must be an integer in [0, {NUM_TOP_LOGPROBS}], "
-                                                 f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int)
+                                  or not 0 <= n <= NUM_TOP_LOGPROBS):
+                raise SamplingParamError(name, f"must be an integer in [0, {NUM_TOP_LOGPROBS}], "
+                                               f"got {n!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +106,8 @@ class TokenLogprob:
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """What one step added to a request: new text, new token ids (with logprobs if asked),
-    and on the last output the finish reason ("stop", "length")."""
+    and on the last output the finish reason ("stop", "length"). ``prompt_logprobs`` (on the
+    first output, if asked): one entry per prompt token, None for the first."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -109,6 +115,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 def make_request(request_id: int, prompt: Sequence[int], params: GenerationParams, *, seed: int,
@@ -117,7 +124,8 @@ def make_request(request_id: int, prompt: Sequence[int], params: GenerationParam
     ids unless ``ignore_eos`` (stop strings and logprobs are the engine's business)."""
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     return Request(request_id, tuple(prompt), params.max_tokens, sampling=params.sampling,
-                   seed=seed, stop_token_ids=frozenset(stops))
+                   seed=seed, stop_token_ids=frozenset(stops),
+                   prompt_logprobs=params.prompt_logprobs is not None)
 
 
 class RequestStream:
@@ -174,6 +182,8 @@ class _Live:
     new_ids: list[int] = dataclasses.field(default_factory=list)
     new_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     first_token: bool = True
+    prompt_logprobs: list[TokenLogprob | None] = dataclasses.field(
+        default_factory=lambda: [None])  # entry i: prompt token i (the first has none)
 
 
 class Engine:
@@ -346,19 +356,44 @@ class Engine:
         self.metrics.step_latency.observe(time.perf_counter() - t0)
         self._send(deliveries)
 
+    def _collect_prompt_logprobs(self, batch: ScheduledBatch, out: StepOutput) -> None:
+        """Each asking row's entries for the prompt tokens after the ones it computed this
+        step (a preempted request recomputes entries it already has: they are skipped)."""
+        starts = np.concatenate([[0], np.cumsum(batch.num_scheduled)])
+        p = out.prompt
+        for row, req in enumerate(batch.requests):
+            live = self._live.get(req.request_id)
+            if live is None or live.params.prompt_logprobs is None:
+                continue
+            n = live.params.prompt_logprobs
+            for j in range(int(batch.num_scheduled[row])):
+                pos = int(batch.num_computed[row]) + j + 1  # the prompt token it predicts
+                if pos != len(live.prompt_logprobs) or pos >= len(req.prompt):
+                    continue
+                t = int(starts[row]) + j
+                top = tuple((int(i), float(v)) for i, v in zip(p.top_ids[t, :n],
+                                                               p.top_logprobs[t, :n]))
+                live.prompt_logprobs.append(TokenLogprob(req.prompt[pos], float(p.logprobs[t]),
+                                                         top))
+
     def _outputs(self, batch: ScheduledBatch, out: StepOutput) -> list:
         deliveries = []
         now = time.perf_counter()
         generated = 0
+        if out.prompt is not None:
+            self._collect_prompt_logprobs(batch, out)
         for row, req in enumerate(batch.requests):
             if not batch.sample[row]:
                 continue
             live = self._live[req.request_id]
             generated += 1
             tok = int(out.tokens[row])
+            prompt_lp = None
             if live.first_token:
                 live.first_token = False
                 self.metrics.ttft.observe(now - live.stream.submitted_at)
+                if live.params.prompt_logprobs is not None:
+                    prompt_lp = tuple(live.prompt_logprobs)
             live.new_ids.append(tok)
             n = live.params.logprobs
             if n is not None:
@@ -386,7 +421,7 @@ class Engine:
                 text=text, token_ids=tuple(live.new_ids),
                 logprobs=tuple(live.new_logprobs) if n is not None else None,
                 finish_reason=reason, num_prompt_tokens=len(req.prompt),
-                num_output_tokens=len(req.output))))
+                num_output_tokens=len(req.output), prompt_logprobs=prompt_lp)))
             live.new_ids, live.new_logprobs = [], []
         self.metrics.generation_tokens.inc(generated)
         return deliveries

@@ -7,7 +7,10 @@ Errors are ``APIError``s whose ``body()`` is ``{"error": {"message", "type", "pa
 the sampling fields, ``stream`` / ``stream_options``. Accepted beyond the OpenAI fields
 (as vLLM does): ``top_k`` (0 or -1: off), ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, and ``return_token_ids`` (adds ``token_ids`` to each
-choice or chunk). ``n`` (1 to ``MAX_N``) copies sample independently (copy ``i`` of a seeded
+choice or chunk). Completions' ``echo`` returns the prompt before the completion, with
+``logprobs`` the prompt tokens' logprobs too (the first one null), computed in the prefill;
+``max_tokens`` 0 is allowed with ``echo`` (the prompt alone: lm-eval's loglikelihood
+request). ``n`` (1 to ``MAX_N``) copies sample independently (copy ``i`` of a seeded
 request uses seed ``seed + i``); ``logit_bias`` maps token ids (as strings) to biases in
 [-100, 100], added on the device. Not supported, and rejected when set to anything but their
 default: ``best_of`` other than 1, ``suffix``, functions. Unknown fields are ignored.
@@ -91,7 +94,7 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
 
 
 def _reject_unsupported(body: dict, names: Sequence[str]) -> None:
-    checks = {"best_of": lambda v: v == 1, "echo": lambda v: v is False}
+    checks = {"best_of": lambda v: v == 1}
     # the others: any value but null is rejected
     for name in names:
         v = body.get(name)
@@ -124,9 +127,18 @@ class ParsedRequest:
     logprobs: int | None
     fields: dict[str, str]
     n: int = 1
+    echo: bool = False
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: one token is generated and dropped."""
+        return self.echo and self.max_tokens == 0
 
     def params(self, max_tokens: int) -> GenerationParams:
-        return GenerationParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.generation)
+        prompt_lp = self.logprobs if self.echo else None
+        return GenerationParams(max_tokens=max(max_tokens, 1) if self.echo else max_tokens,
+                                logprobs=self.logprobs, prompt_logprobs=prompt_lp,
+                                **self.generation)
 
 
 def check_model(body: dict, model_name: str) -> None:
@@ -222,7 +234,7 @@ def _token_ids(value) -> list[int] | None:
 def parse_completion(body: dict, model_name: str) -> ParsedRequest:
     """/v1/completions: prompt (string, token ids, or a batch of one), max_tokens (16)."""
     check_model(body, model_name)
-    _reject_unsupported(body, ("best_of", "echo", "suffix"))
+    _reject_unsupported(body, ("best_of", "suffix"))
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise bad_request("prompt", "is required", "missing_required_parameter")
@@ -255,7 +267,7 @@ def parse_completion(body: dict, model_name: str) -> ParsedRequest:
                          return_token_ids=_boolean(body, "return_token_ids", False),
                          logprobs=logprobs, fields={"prompt": "prompt", "max_tokens": "max_tokens",
                                                     "logprobs": "logprobs"},
-                         n=_choices(body))
+                         n=_choices(body), echo=_boolean(body, "echo", False))
 
 
 def _message_text(msg: Any, i: int) -> tuple[str, str]:
@@ -331,6 +343,22 @@ def completion_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer,
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{tokenizer.token_str(i): lp for i, lp in e.top} for e in entries],
             "text_offset": list(offsets)}
+
+
+def echo_logprobs(prompt_ids: Sequence[int], prompt_entries: Sequence[TokenLogprob | None],
+                  entries: Sequence[TokenLogprob], tokenizer: Tokenizer,
+                  offsets: Sequence[int]) -> dict:
+    """The completions logprobs object of an echoed request: the prompt's tokens (the first
+    with null logprob and top) then the generated ones (``offsets``: their text offsets, in
+    the output text after the prompt)."""
+    prompt_offsets = [len(tokenizer.decode(list(prompt_ids[:i]))) for i in range(len(prompt_ids))]
+    gen = completion_logprobs(entries, tokenizer, offsets)
+    return {"tokens": [tokenizer.token_str(t) for t in prompt_ids] + gen["tokens"],
+            "token_logprobs": [None if e is None else e.logprob for e in prompt_entries]
+            + gen["token_logprobs"],
+            "top_logprobs": [None if e is None else {tokenizer.token_str(i): lp for i, lp in e.top}
+                             for e in prompt_entries] + gen["top_logprobs"],
+            "text_offset": prompt_offsets + gen["text_offset"]}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer) -> dict:

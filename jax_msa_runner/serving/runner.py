@@ -52,8 +52,10 @@ from jax_msa_runner.serving.compile_count import CompileCounter
 from jax_msa_runner.serving.memory_report import MemoryReport, memory_report
 from jax_msa_runner.serving.sampling import (PenaltyState, SamplingExtras, SamplingRows,
                                              StepOutput, bias_arrays, init_penalty_state,
-                                             neutral_extras, pack_rows, rows_buffer_size,
-                                             sample_step, unpack_rows, unpack_step_output)
+                                             neutral_extras, next_prompt_tokens, pack_rows,
+                                             prompt_logprobs, rows_buffer_size, sample_step,
+                                             step_output_width, unpack_rows,
+                                             unpack_step_output)
 from jax_msa_runner.serving.scheduler import ScheduledBatch, Scheduler
 
 # ---- the step --------------------------------------------------------------------------------
@@ -75,26 +77,36 @@ def pack_step_inputs(packed: np.ndarray, token_ids: np.ndarray, rows: SamplingRo
 def _model_body(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
                 rconfig: RunnerConfig, mconfig: ModelConfig, attention_impl: str,
                 interpret: bool, attention_mode: str, all_token_logits: bool
-                ) -> tuple[jax.Array, jax.Array, KVCaches, BatchMetadata]:
+                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], KVCaches, BatchMetadata]:
     """The model on one device or one DCP rank (caches: the rank's own, leaves [N, ...]).
 
-    Returns (logits f32 [R, V] of each row's last token, the step's logits: the same, or
-    [T, V] of every token with all_token_logits, caches, metadata): the tuple
+    Returns (logits f32 [R, V] of each row's last token, (the step's logits: the same, or
+    [T, V] of every token with all_token_logits; the prompt logprobs int32 [T, 2 + 2K],
+    computed only when a row asks, else zeros), caches, metadata): the tuple
     ``per_rank_step`` expects; ``serve_step`` samples from the first.
     """
     T = bucket.num_tokens
     o = packed_size(bucket)
     md = stage_packed(host_buf[:o], bucket, rconfig)
-    hidden, caches = forward(params, caches, host_buf[o:o + T], md, config=mconfig,
+    tokens = host_buf[o:o + T]
+    rows = unpack_rows(host_buf[o + T:], bucket.num_reqs)
+    hidden, caches = forward(params, caches, tokens, md, config=mconfig,
                              attention_impl=attention_impl, attention_mode=attention_mode,
                              dcp_world_size=rconfig.dcp_world_size, interpret=interpret,
                              tp_size=rconfig.tp_size, ep_size=rconfig.ep_size)
+    lm_head = functools.partial(compute_logits, params, config=mconfig,
+                                tp_size=rconfig.tp_size)
+    K = step_output_width(mconfig.vocab_size) // 2 - 1
+    wanted = jnp.any(md.req_mask & (rows.prompt_logprobs > 0))
+    prompt = jax.lax.cond(
+        wanted, lambda h: prompt_logprobs(lm_head, h, next_prompt_tokens(tokens, md, rows), K),
+        lambda h: jnp.zeros((T, 2 + 2 * K), jnp.int32), hidden)
     last = jnp.clip(md.query_start_loc[1:] - 1, 0, T - 1)  # last token of each row
     if all_token_logits:
-        logits = compute_logits(params, hidden, mconfig, rconfig.tp_size)
-        return logits[last], logits, caches, md
-    logits = compute_logits(params, hidden[last], mconfig, rconfig.tp_size)
-    return logits, logits, caches, md
+        logits = lm_head(hidden)
+        return logits[last], (logits, prompt), caches, md
+    logits = lm_head(hidden[last])
+    return logits, (logits, prompt), caches, md
 
 
 def forward_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket: Bucket,
@@ -110,8 +122,10 @@ def forward_step(params: dict, caches: KVCaches, host_buf: jax.Array, *, bucket:
     Without DCP (rconfig.dcp_world_size == 1, mesh None) caches are leaves [N, ...]. With
     DCP, mesh is the "dcp" mesh of W devices and caches are per-rank stacks [W, N_local, ...]
     sharded over it; the model runs in one shard_map (params, host_buf replicated).
-    Returns (logits f32 [R, V] of each row's last token, the step's logits (with
-    all_token_logits (static): [T, V] of every token), updated caches, the staged metadata).
+    Returns (logits f32 [R, V] of each row's last token, (the step's logits (with
+    all_token_logits (static): [T, V] of every token), the prompt logprobs int32 [T, 2 + 2K]
+    of ``sampling.prompt_logprobs``, zeros unless a row asks), updated caches, the staged
+    metadata).
     """
     body = functools.partial(_model_body, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
                              attention_impl=attention_impl, interpret=interpret,
@@ -140,7 +154,7 @@ def serve_step(params: dict, caches: KVCaches, penalties: PenaltyState, host_buf
     """:func:`forward_step` then :func:`sampling_step` in one function (benchmarks; the
     runner launches the two separately). ``extras`` None: no biases or masks.
     Returns (step output, logits, caches, penalties, metadata)."""
-    row_logits, logits, caches, md = forward_step(
+    row_logits, (logits, _), caches, md = forward_step(
         params, caches, host_buf, bucket=bucket, rconfig=rconfig, mconfig=mconfig,
         attention_impl=attention_impl, interpret=interpret, mesh=mesh,
         attention_mode=attention_mode, all_token_logits=all_token_logits)
@@ -258,12 +272,12 @@ class ModelRunner:
         dev_buf = self._put(buf)
         forward, sampling = self._compiled[bucket]
         self.last_launch = time.perf_counter()
-        row_logits, self.last_logits, self.caches, md = forward(self.params, self.caches,
-                                                                dev_buf)
+        row_logits, (self.last_logits, prompt), self.caches, md = forward(
+            self.params, self.caches, dev_buf)
         masks = token_masks() if token_masks is not None else None
         out, self.penalties = sampling(row_logits, md, self.penalties, dev_buf,
                                        self._extras(bucket, biases, masks))
-        return out, md
+        return out, prompt, md
 
     def warm_up(self) -> WarmupReport:
         """Compile every bucket on its dummy batch and run it; then the profiling pass."""
@@ -285,7 +299,7 @@ class ModelRunner:
                                                self._neutral_extras(bucket),
                                                bucket=bucket).compile(compiler_options=options)
                 self._compiled[bucket] = (forward, sampling)
-                nxt, md = self._run(bucket, host)  # the "capture" run
+                nxt, _, md = self._run(bucket, host)  # the "capture" run
                 if self.debug:
                     validate_metadata(md, self.rconfig)
                 jax.block_until_ready(nxt)
@@ -293,7 +307,7 @@ class ModelRunner:
         big = self.buckets[-1]
         buf = self._dummy_buffer(big, "mixed", self.rconfig.max_model_len)
         t1 = time.perf_counter()
-        nxt, md = self._run(big, buf)
+        nxt, _, md = self._run(big, buf)
         jax.block_until_ready(nxt)
         profile_s = time.perf_counter() - t1
         validate_metadata(md, self.rconfig)
@@ -342,8 +356,11 @@ class ModelRunner:
                                  self.rconfig)
         buf = pack_step_inputs(packed, tokens, batch.sampling, bucket)
         biases = [r.sampling.logit_bias for r in batch.requests]
-        out, md = self._run(bucket, buf, biases, token_masks)
+        out, prompt, md = self._run(bucket, buf, biases, token_masks)
         result = unpack_step_output(np.asarray(out), batch.num_reqs)
+        if any(r.prompt_logprobs for r in batch.requests):
+            result = result._replace(prompt=unpack_step_output(np.asarray(prompt),
+                                                               int(batch.num_tokens)))
         self.last_ready = time.perf_counter()
         if self.debug:
             validate_metadata(md, self.rconfig)

@@ -5,7 +5,8 @@ bitcast), so no value ever selects a different executable. Rows of one step
 (``SamplingRows``, R rows, field-major in the buffer, padded rows neutral):
 
     int32: seed, sample_index, top_k (0 = off), slot (penalty-state row, -1 = none),
-           prompt_len
+           prompt_len, prompt_logprobs (1: the row wants its prompt tokens' logprobs),
+           next_token (the prompt token after the row's last scheduled one, -1 = none)
     f32:   temperature (0 = greedy), top_p (1 = off), min_p (0 = off), presence_penalty,
            frequency_penalty, repetition_penalty (1 = off)
 
@@ -55,10 +56,12 @@ from jax_msa_runner.batch.metadata import BatchMetadata
 NUM_TOP_LOGPROBS = 20  # K: top logprobs every step returns per row
 MAX_LOGIT_BIAS = 300  # B: (token id, bias) pairs per request (the OpenAI API's limit)
 LOGIT_BIAS_BOUND = 100.0  # |bias| <= this
-INT_FIELDS = ("seed", "sample_index", "top_k", "slot", "prompt_len")
+INT_FIELDS = ("seed", "sample_index", "top_k", "slot", "prompt_len", "prompt_logprobs",
+              "next_token")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty")
-PAD_VALUES = {"slot": -1, "top_p": 1.0, "repetition_penalty": 1.0}  # other fields pad with 0
+PAD_VALUES = {"slot": -1, "next_token": -1, "top_p": 1.0,
+              "repetition_penalty": 1.0}  # other fields pad with 0
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 
 
@@ -164,6 +167,8 @@ class SamplingRows(NamedTuple):
     top_k: np.ndarray
     slot: np.ndarray
     prompt_len: np.ndarray
+    prompt_logprobs: np.ndarray
+    next_token: np.ndarray
     temperature: np.ndarray
     top_p: np.ndarray
     min_p: np.ndarray
@@ -362,17 +367,59 @@ def sample_step(logits: jax.Array, rows: SamplingRows, md: BatchMetadata, tokens
     return out, state
 
 
+PROMPT_CHUNK = 64  # tokens per LM-head chunk of the prompt logprobs (bounds the [C, V] logits)
+
+
+def next_prompt_tokens(tokens: jax.Array, md: BatchMetadata, rows: SamplingRows) -> jax.Array:
+    """int32 [T]: the prompt token that follows each of the step's tokens (-1 where none):
+    the next token of the same row, or the row's ``next_token`` after its last one."""
+    T = tokens.shape[0]
+    r = md.req_indices
+    t = jnp.arange(T, dtype=jnp.int32)
+    ahead = jnp.concatenate([tokens[1:], jnp.full((1,), -1, jnp.int32)])
+    same = jnp.concatenate([(r[1:] == r[:-1]) & md.token_mask[1:], jnp.zeros((1,), bool)])
+    last = t == md.query_start_loc[1:][r] - 1
+    nxt = jnp.where(same, ahead, jnp.where(last, rows.next_token[r], -1))
+    in_prompt = md.positions + 1 < rows.prompt_len[r]
+    return jnp.where(md.token_mask & in_prompt, nxt, -1)
+
+
+def prompt_logprobs(lm_head, hidden: jax.Array, next_ids: jax.Array, K: int) -> jax.Array:
+    """The logprob of each token's next prompt token and the top K: int32 [T, 2 + 2K] in the
+    step output's layout (``next id | bits(logprob) | top ids | bits(top logprobs)``).
+    ``lm_head(hidden [C, H]) -> f32 [C, V]`` runs on chunks of :data:`PROMPT_CHUNK` tokens."""
+    T = hidden.shape[0]
+    C = min(PROMPT_CHUNK, T)
+    pad = -T % C
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, C, hidden.shape[1])
+    ids = jnp.pad(next_ids, (0, pad), constant_values=-1).reshape(-1, C)
+    bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)  # noqa: E731
+
+    def chunk(args):
+        hc, ic = args
+        lp = jax.nn.log_softmax(lm_head(hc), axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, K)
+        chosen = jnp.take_along_axis(lp, jnp.maximum(ic, 0)[:, None], axis=-1)
+        return jnp.concatenate([ic[:, None], bits(chosen), top_ids.astype(jnp.int32),
+                                bits(top_lp)], axis=1)
+
+    return jax.lax.map(chunk, (h, ids)).reshape(-1, 2 + 2 * K)[:T]
+
+
 class StepOutput(NamedTuple):
     """One step's results on the host for its n rows.
 
     tokens int32 [n]; logprobs f32 [n] (of the chosen token); top_ids int32 [n, K];
-    top_logprobs f32 [n, K] (descending).
+    top_logprobs f32 [n, K] (descending); prompt: None, or where a row asked for its prompt
+    logprobs the step's tokens' next-prompt-token entries (``unpack_step_output`` of the
+    [S, 2 + 2K] prompt output: ``tokens`` holds the next prompt token, -1 where none).
     """
 
     tokens: np.ndarray
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    prompt: "StepOutput | None" = None
 
 
 def unpack_step_output(out: np.ndarray, num_rows: int) -> StepOutput:

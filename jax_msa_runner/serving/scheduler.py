@@ -104,6 +104,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length" or "stop" (a stop / eos token) once finished
     num_preemptions: int = 0
+    prompt_logprobs: bool = False  # the steps return its prompt tokens' logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -284,7 +285,7 @@ class Scheduler:
             requests=reqs, num_scheduled=sched, num_computed=comp,
             block_table=tuple(tuple(r.pages) for r in reqs), token_ids=tokens,
             sample=np.array([r.num_computed + n == r.num_tokens for r, n in rows]),
-            sampling=_sampling_rows(reqs), preempted=tuple(preempted))
+            sampling=_sampling_rows(reqs, sched), preempted=tuple(preempted))
 
     def update(self, batch: ScheduledBatch, sampled: Sequence[int]) -> list[Request]:
         """Apply one step's results (sampled [n] tokens); returns requests finished now."""
@@ -305,7 +306,12 @@ class Scheduler:
         return done
 
 
-def _sampling_rows(reqs: Sequence[Request]) -> SamplingRows:
+def _next_prompt_token(req: Request, num_scheduled: int) -> int:
+    end = req.num_computed + num_scheduled
+    return req.prompt[end] if end < len(req.prompt) else -1
+
+
+def _sampling_rows(reqs: Sequence[Request], num_scheduled: np.ndarray) -> SamplingRows:
     def col(f, dtype):
         return np.array([f(r) for r in reqs], dtype)
 
@@ -313,6 +319,9 @@ def _sampling_rows(reqs: Sequence[Request]) -> SamplingRows:
         seed=col(lambda r: r.seed, np.int32), sample_index=col(lambda r: len(r.output), np.int32),
         top_k=col(lambda r: r.sampling.top_k, np.int32), slot=col(lambda r: r.slot, np.int32),
         prompt_len=col(lambda r: len(r.prompt), np.int32),
+        prompt_logprobs=col(lambda r: r.prompt_logprobs, np.int32),
+        next_token=np.array([_next_prompt_token(r, int(n)) for r, n in zip(reqs, num_scheduled)],
+                            np.int32),
         temperature=col(lambda r: r.sampling.temperature, np.float32),
         top_p=col(lambda r: r.sampling.top_p, np.float32),
         min_p=col(lambda r: r.sampling.min_p, np.float32),

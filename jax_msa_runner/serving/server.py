@@ -28,6 +28,7 @@ from jax_msa_runner.serving.engine import (Engine, EngineDeadError, QueueFullErr
                                            RequestStream)
 from jax_msa_runner.serving.openai_protocol import (APIError, ParsedRequest, bad_request,
                                                     chat_choice, chat_logprobs, completion_choice,
+                                                    echo_logprobs,
                                                     completion_logprobs, envelope, parse_chat,
                                                     parse_completion, parse_json_object, usage)
 from jax_msa_runner.serving.sampling import SamplingParamError
@@ -83,9 +84,10 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def submit(parsed: ParsedRequest) -> list[RequestStream]:
-        """The request's ``n`` copies in the engine (copy i of a seeded request: seed + i);
-        all or none: a copy the engine refuses aborts the ones already queued."""
+    async def submit(parsed: ParsedRequest) -> tuple[list[RequestStream], list[int]]:
+        """The request's ``n`` copies in the engine (copy i of a seeded request: seed + i),
+        and the prompt's ids; all or none: a copy the engine refuses aborts the ones already
+        queued."""
         ids = parsed.prompt_ids
         if ids is None:
             ids = await asyncio.to_thread(tokenizer.encode, parsed.prompt_text)
@@ -111,19 +113,20 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
         except EngineDeadError as e:
             _abort_all(engine, streams)
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
-        return streams
+        return streams, ids
 
     async def generate(request: Request, chat: bool):
         body = parse_json_object(await request.body())
         parsed = parse_chat(body, model_name, tokenizer) if chat else parse_completion(body,
                                                                                        model_name)
-        streams = await submit(parsed)
+        streams, ids = await submit(parsed)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        echo = _Echo(parsed, ids, tokenizer) if parsed.echo else None
         if parsed.stream:
             return _EventStream(_stream_events(engine, streams, parsed, rid, created_now(),
-                                               model_name), engine, streams)
+                                               model_name, echo), engine, streams)
         collect = asyncio.ensure_future(_collect(streams, parsed, rid, created_now(),
-                                                 model_name, tokenizer))
+                                                 model_name, tokenizer, echo))
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -157,14 +160,36 @@ def _abort_all(engine: Engine, streams) -> None:
             engine.abort(stream.request_id)
 
 
+class _Echo:
+    """An echoed completion's prompt: its ids, text and (with logprobs) the logprobs object
+    of prompt and output; ``prompt_only`` drops the one generated token."""
+
+    def __init__(self, parsed: ParsedRequest, ids: list[int], tokenizer):
+        self.ids, self.tokenizer = ids, tokenizer
+        self.text = parsed.prompt_text if parsed.prompt_text is not None else tokenizer.decode(ids)
+        self.prompt_only = parsed.prompt_only
+        self.want_logprobs = parsed.logprobs is not None
+
+    def logprobs(self, prompt_entries, entries, offsets) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        if self.prompt_only:
+            entries, offsets = [], []
+        shift = len(self.text)
+        return echo_logprobs(self.ids, prompt_entries, entries, self.tokenizer,
+                             [shift + o for o in offsets])
+
+
 async def _collect_one(stream: RequestStream, parsed: ParsedRequest, index: int,
-                       tokenizer) -> tuple[dict, int]:
+                       tokenizer, echo: _Echo | None) -> tuple[dict, int]:
     """One copy's choice and its output token count (waits for it to finish)."""
     text, ids, entries, offsets = [], [], [], []
     length = 0
-    reason, n_out = None, 0
+    reason, n_out, prompt_entries = None, 0, None
     try:
         async for ev in stream:
+            if ev.prompt_logprobs is not None:
+                prompt_entries = ev.prompt_logprobs
             if ev.logprobs is not None:
                 entries.extend(ev.logprobs)
                 offsets.extend([length] * len(ev.logprobs))
@@ -174,20 +199,26 @@ async def _collect_one(stream: RequestStream, parsed: ParsedRequest, index: int,
             reason, n_out = ev.finish_reason, ev.num_output_tokens
     except EngineDeadError as e:
         raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
-    token_ids = ids if parsed.return_token_ids else None
     out = "".join(text)
+    if echo is not None and echo.prompt_only:
+        out, ids, n_out = "", [], 0
+    token_ids = ids if parsed.return_token_ids else None
     if parsed.chat:
         lp = chat_logprobs(entries, tokenizer) if parsed.logprobs is not None else None
         return chat_choice(out, reason, lp, token_ids, delta=False, index=index), n_out
+    if echo is not None:
+        return completion_choice(echo.text + out, reason,
+                                 echo.logprobs(prompt_entries, entries, offsets), token_ids,
+                                 index=index), n_out
     lp = completion_logprobs(entries, tokenizer, offsets) if parsed.logprobs is not None else None
     return completion_choice(out, reason, lp, token_ids, index=index), n_out
 
 
 async def _collect(streams: list[RequestStream], parsed: ParsedRequest, rid: str, created: int,
-                   model: str, tokenizer) -> dict:
+                   model: str, tokenizer, echo: _Echo | None = None) -> dict:
     """The non-streamed response body of a request: its copies' choices in index order;
     usage counts the prompt once and every copy's output."""
-    done = await asyncio.gather(*(_collect_one(s, parsed, i, tokenizer)
+    done = await asyncio.gather(*(_collect_one(s, parsed, i, tokenizer, echo)
                                   for i, s in enumerate(streams)))
     return envelope(rid, created, model, chat=parsed.chat, chunk=False,
                     choices=[c for c, _ in done],
@@ -223,13 +254,15 @@ async def _merged(streams: list[RequestStream]):
 
 
 async def _stream_events(engine: Engine, streams: list[RequestStream], parsed: ParsedRequest,
-                         rid: str, created: int, model: str):
+                         rid: str, created: int, model: str, echo: _Echo | None = None):
     """Server-sent events of one request's copies (``_EventStream`` aborts them if they stop
-    early)."""
+    early). An echoed completion's first chunk per copy carries the prompt (and its
+    logprobs); with ``max_tokens`` 0 nothing else but the finish."""
     tok = engine.tokenizer
     chat = parsed.chat
     length = [0] * len(streams)
     n_out = [0] * len(streams)
+    echoed: set[int] = set()
 
     def chunk(choice, usage_body=None):
         return _sse(envelope(rid, created, model, chat=chat, chunk=True,
@@ -241,6 +274,17 @@ async def _stream_events(engine: Engine, streams: list[RequestStream], parsed: P
                 yield chunk(chat_choice("", None, None, [] if parsed.return_token_ids else None,
                                         delta=True, first=True, index=i))
         async for i, ev in _merged(streams):
+            if echo is not None and i not in echoed:  # a copy's first output
+                echoed.add(i)
+                lp = echo.logprobs(ev.prompt_logprobs, [], []) if echo.want_logprobs else None
+                yield chunk(completion_choice(echo.text, None, lp, None, index=i))
+                length[i] += len(echo.text)
+            if echo is not None and echo.prompt_only:
+                if ev.finish_reason is not None:
+                    yield chunk(completion_choice("", ev.finish_reason, None,
+                                                  [] if parsed.return_token_ids else None,
+                                                  index=i))
+                continue
             n_out[i] = ev.num_output_tokens
             if not ev.text and ev.finish_reason is None and not parsed.return_token_ids \
                     and parsed.logprobs is None:

@@ -1,12 +1,15 @@
 """The OpenAI features beyond plain sampling, live through the ``openai`` client: ``n``
 copies (streamed and not, seeded copies repeat and equal the offline runner with seed
-``seed + i``), ``logit_bias`` applied on the device, and ``/metrics``'s compilation counter
-(0 while serving). A random tiny model: every guarantee checked here comes from the server,
+``seed + i``), ``logit_bias`` applied on the device, ``echo`` with prompt logprobs (against
+the log-softmax of every token's logits from a runner that returns them, on a prompt
+prefilled in three chunks), and ``/metrics``'s compilation counter (0 while serving). A random tiny model: every guarantee checked here comes from the server,
 not from what the model happens to prefer.
 """
 import re
 
 import httpx
+import jax
+import numpy as np
 import openai
 import pytest
 
@@ -26,6 +29,7 @@ MODEL = "tiny-features"
 TOK = ByteTokenizer(MC.vocab_size)
 PROMPT = "Seeded copies"
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.95)
+ECHO_PROMPT = "An echoed prompt of seventy characters, prefilled in three chunks: ok."
 
 
 def _offline(runner, cases):
@@ -47,11 +51,24 @@ def live():
               for i in range(3)]
     greedy = [(TOK.encode("bias"), GenerationParams(max_tokens=6))]
     ref = _offline(runner, seeded + greedy)
+    ref_rc = RunnerConfig(max_num_seqs=1, max_num_batched_tokens=128, max_model_len=256,
+                          bucket_sizes=(128,))
+    every = ModelRunner(MC, ref_rc, num_pages=2 + 2, seed=3, attention_impl="reference",
+                        all_token_logits=True)
+    every.warm_up()
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=128,
+                                      max_model_len=256, num_pages=4))
+    sched.add_request(make_request(0, TOK.encode(ECHO_PROMPT), GenerationParams(max_tokens=1),
+                                   seed=0, eos_token_ids=()))
+    serve(every, sched)
+    n = len(ECHO_PROMPT)
+    prompt_lp = np.asarray(jax.nn.log_softmax(every.last_logits[:n - 1], axis=-1))
     engine = Engine(runner, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
                                             max_model_len=256, num_pages=2 + 24), TOK,
                     max_queue=32).start()
     server = ServerThread(build_app(engine, model_name=MODEL)).start()
-    yield {"url": server.url, "seeded": ref[:3], "greedy": ref[3], "engine": engine}
+    yield {"url": server.url, "seeded": ref[:3], "greedy": ref[3], "engine": engine,
+           "prompt_lp": prompt_lp}
     server.stop()
     engine.shutdown()
 
@@ -116,3 +133,31 @@ def test_no_compilation_after_warm_up_in_metrics(live):
     text = httpx.get(live["url"] + "/metrics").text
     m = re.search(r"^jax_msa_compilations_after_warmup_total (\S+)$", text, re.M)
     assert m is not None and float(m.group(1)) == 0.0, text[:2000]
+
+
+def test_echo_returns_prompt_logprobs_computed_in_the_prefill(live):
+    c = client(live)
+    ids = TOK.encode(ECHO_PROMPT)
+    ref = live["prompt_lp"]  # [n - 1, V]: row t predicts prompt token t + 1
+    want = [float(ref[t, ids[t + 1]]) for t in range(len(ids) - 1)]
+    only = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=0, echo=True,
+                                logprobs=2, temperature=0)
+    ch = only.choices[0]
+    assert ch.text == ECHO_PROMPT and only.usage.completion_tokens == 0
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=2e-3)
+    best = [float(ref[t].max()) for t in range(len(ids) - 1)]
+    np.testing.assert_allclose([max(t.values()) for t in lp.top_logprobs[1:]], best, atol=2e-3)
+    assert lp.text_offset[:3] == [0, 1, 2]
+    one = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=1, echo=True,
+                               logprobs=1, temperature=0)
+    lp1 = one.choices[0].logprobs
+    assert len(lp1.token_logprobs) == len(ids) + 1 and one.usage.completion_tokens == 1
+    np.testing.assert_allclose(lp1.token_logprobs[1:-1], want, atol=2e-3)
+    assert one.choices[0].text.startswith(ECHO_PROMPT)
+    streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
+        model=MODEL, prompt=ECHO_PROMPT, max_tokens=3, echo=True, temperature=0, stream=True))
+    plain = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=3, temperature=0)
+    assert streamed == ECHO_PROMPT + plain.choices[0].text
