@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from jax_msa_runner.config import SchedulerConfig
+from jax_msa_runner.serving import structured
 from jax_msa_runner.serving.compile_count import compile_count
 from jax_msa_runner.serving.metrics import ServerMetrics
 from jax_msa_runner.serving.runner import ModelRunner
@@ -55,7 +56,9 @@ class GenerationParams:
     sampling: the token-picking knobs (temperature, top_k, top_p, min_p, penalties).
     logprobs: None for no logprobs, else N in [0, 20]: the chosen token's logprob and the
     top N alternatives. prompt_logprobs: the same for the prompt's tokens (each one's logprob
-    given the tokens before it; the first has none), computed in the prefill. stop: up to 16 non-empty strings (not part of the output);
+    given the tokens before it; the first has none), computed in the prefill. grammar: an
+    llguidance grammar the output must follow (structured outputs, forced tool calls), its
+    API field ``grammar_field`` for errors. stop: up to 16 non-empty strings (not part of the output);
     stop_token_ids: ids that end the generation (their text is not part of the output);
     seed None: a random one. ignore_eos: do not stop at the tokenizer's eos tokens.
     """
@@ -68,6 +71,8 @@ class GenerationParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
+    grammar: str | None = None
+    grammar_field: str = "response_format"
 
     def check(self, vocab_size: int) -> None:
         """Raises SamplingParamError naming the first field outside its bound."""
@@ -184,6 +189,7 @@ class _Live:
     first_token: bool = True
     prompt_logprobs: list[TokenLogprob | None] = dataclasses.field(
         default_factory=lambda: [None])  # entry i: prompt token i (the first has none)
+    matcher: object | None = None  # llguidance.LLMatcher of a constrained request
 
 
 class Engine:
@@ -231,6 +237,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._rng = random.SystemRandom()
         self._steps = 0
+        self._lltok = None
         self._compile_base = compile_count()  # the runner is warmed up: serving adds none
         self._compiles_seen = 0
         self.snapshot = self._make_snapshot()
@@ -250,6 +257,13 @@ class Engine:
             self._thread.join(timeout)
 
     @property
+    def lltok(self):
+        """The tokenizer as llguidance sees it (built on first use)."""
+        if self._lltok is None:
+            self._lltok = structured.llg_tokenizer(self.tokenizer)
+        return self._lltok
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
@@ -258,6 +272,11 @@ class Engine:
         """Raises SamplingParamError / RequestRejectedError (field set) for a request that is
         invalid or can never be served."""
         params.check(self.vocab_size)
+        if params.grammar is not None:
+            try:
+                structured.check_grammar(self.lltok, params.grammar)
+            except ValueError as e:
+                raise SamplingParamError(params.grammar_field, f"invalid grammar: {e}") from None
         for i, t in enumerate(prompt_ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise RequestRejectedError(f"prompt[{i}] = {t!r}: token ids must be integers in "
@@ -332,8 +351,11 @@ class Engine:
         except RequestRejectedError as e:  # checked at submit; a guard only
             self._send([(stream, e)])
             return
+        matcher = (structured.new_matcher(self.lltok, params.grammar)
+                   if params.grammar is not None else None)  # checked at submit
         self._live[req.request_id] = _Live(req, stream, params,
-                                           TextStream(self.tokenizer, params.stop))
+                                           TextStream(self.tokenizer, params.stop),
+                                           matcher=matcher)
         self.metrics.prompt_tokens.inc(len(prompt))
 
     def _abort(self, request_id: int) -> None:
@@ -347,7 +369,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.preempted:
             self.metrics.preemptions.inc(len(batch.preempted))
-        out = self.runner.execute_step(batch)
+        out = self.runner.execute_step(batch, token_masks=lambda: self._token_masks(batch))
         if prev_ready is not None:
             self.metrics.host_gap.observe(max(0.0, self.runner.last_launch - prev_ready))
         self.scheduler.update(batch, out.tokens)
@@ -355,6 +377,18 @@ class Engine:
         self._steps += 1
         self.metrics.step_latency.observe(time.perf_counter() - t0)
         self._send(deliveries)
+
+    def _token_masks(self, batch: ScheduledBatch) -> np.ndarray | None:
+        """The bitmasks of the rows that sample under a grammar this step (None: no such
+        row); runs on the host while the device runs the step's forward."""
+        rows = []
+        for row, req in enumerate(batch.requests):
+            live = self._live.get(req.request_id)
+            if batch.sample[row] and live is not None and live.matcher is not None:
+                rows.append((row, live.matcher))
+        if not rows:
+            return None
+        return structured.fill_masks(rows, batch.num_reqs, self.vocab_size)
 
     def _collect_prompt_logprobs(self, batch: ScheduledBatch, out: StepOutput) -> None:
         """Each asking row's entries for the prompt tokens after the ones it computed this
@@ -401,7 +435,13 @@ class Engine:
                             zip(out.top_ids[row, :n], out.top_logprobs[row, :n]))
                 live.new_logprobs.append(TokenLogprob(tok, float(out.logprobs[row]), top))
             done = req.status is Status.FINISHED
-            hit = live.text.push(tok, visible=not (done and req.finish_reason == "stop"))
+            ended = False  # the grammar is complete: nothing may follow
+            if live.matcher is not None:
+                live.matcher.consume_token(tok)
+                ended = live.matcher.is_stopped()
+            hidden = (done and req.finish_reason == "stop") or (
+                ended and tok == self.lltok.eos_token)
+            hit = live.text.push(tok, visible=not hidden) or ended
             reason = None
             if hit:
                 reason = "stop"

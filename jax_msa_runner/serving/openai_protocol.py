@@ -10,7 +10,9 @@ the sampling fields, ``stream`` / ``stream_options``. Accepted beyond the OpenAI
 choice or chunk). Completions' ``echo`` returns the prompt before the completion, with
 ``logprobs`` the prompt tokens' logprobs too (the first one null), computed in the prefill;
 ``max_tokens`` 0 is allowed with ``echo`` (the prompt alone: lm-eval's loglikelihood
-request). ``n`` (1 to ``MAX_N``) copies sample independently (copy ``i`` of a seeded
+request). Structured outputs (llguidance): ``response_format`` ``json_schema`` /
+``json_object`` and vLLM's ``structured_outputs`` extra (``json``, ``regex``, ``choice``,
+``grammar``) become a grammar that constrains every sampled token. ``n`` (1 to ``MAX_N``) copies sample independently (copy ``i`` of a seeded
 request uses seed ``seed + i``); ``logit_bias`` maps token ids (as strings) to biases in
 [-100, 100], added on the device. Not supported, and rejected when set to anything but their
 default: ``best_of`` other than 1, ``suffix``, functions. Unknown fields are ignored.
@@ -24,6 +26,7 @@ from typing import Any, Sequence
 from jax_msa_runner.serving.engine import GenerationParams, TokenLogprob
 from jax_msa_runner.serving.sampling import SamplingParams
 from jax_msa_runner.serving.tokenizer_io import CHAT_ROLES, Tokenizer
+from jax_msa_runner.serving.tool_grammar import GrammarSpecError, structured_output_grammar
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 MAX_N = 16  # choices per request
@@ -181,6 +184,19 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+def _grammar_fields(body: dict) -> dict[str, Any]:
+    """``grammar`` (and the field it came from) of the request's structured-output spec."""
+    try:
+        grammar = structured_output_grammar(body)
+    except GrammarSpecError as e:
+        raise bad_request(e.field, str(e).removeprefix(f"{e.field}: ")) from None
+    if grammar is None:
+        return {}
+    field = "structured_outputs" if body.get("structured_outputs") is not None else \
+        "response_format"
+    return {"grammar": grammar, "grammar_field": field}
+
+
 def _generation_fields(body: dict) -> dict[str, Any]:
     top_k = _integer(body, "top_k", 0)
     if top_k == -1:
@@ -208,7 +224,8 @@ def _generation_fields(body: dict) -> dict[str, Any]:
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         logit_bias=_logit_bias(body))
     return dict(sampling=sampling, seed=_integer(body, "seed", None), stop=stop,
-                stop_token_ids=tuple(ids), ignore_eos=_boolean(body, "ignore_eos", False))
+                stop_token_ids=tuple(ids), ignore_eos=_boolean(body, "ignore_eos", False),
+                **_grammar_fields(body))
 
 
 def _stream_fields(body: dict) -> tuple[bool, bool]:
@@ -300,8 +317,7 @@ def parse_chat(body: dict, model_name: str, tokenizer: Tokenizer) -> ParsedReque
     """/v1/chat/completions: messages through the tokenizer's chat template; max_tokens (or
     max_completion_tokens) defaults to what max_model_len leaves after the prompt."""
     check_model(body, model_name)
-    _reject_unsupported(body, ("tools", "functions", "tool_choice", "function_call",
-                               "response_format"))
+    _reject_unsupported(body, ("tools", "functions", "tool_choice", "function_call"))
     messages = body.get("messages", _MISSING)
     if messages is _MISSING or messages is None:
         raise bad_request("messages", "is required", "missing_required_parameter")

@@ -3,21 +3,24 @@ outputs of ``response_format`` / vLLM's ``structured_outputs``.
 
 ``tool_call_grammar`` writes a Lark grammar (llguidance's dialect; ``LLMatcher`` takes it as
 it is) that admits only ``<tool_call>`` blocks whose invokes name a listed function and whose
-parameters are exactly the schema's properties, each once, in any order, the required ones
-present, with values that ``m3_output.parse_tool_calls`` reads back as the schema's types:
-integers, numbers, booleans, null, strings (min/maxLength), enum / const values, objects
-(child elements), arrays (``<item>`` children, min/maxItems), anyOf / oneOf members (only
-the container member the parser converts children with), local ``$ref``s. Objects without
-properties (free-form, or maps through ``additionalProperties``) are written as JSON text.
-No string may hold the ``]<]minimax[>[`` tag prefix, and a string never reads as another type
-of its union. Not enforced: numeric bounds, ``multipleOf``, ``pattern``, ``format``,
-``uniqueItems``, ``min/maxProperties``, oneOf's exclusivity. Unsupported schemas (``not``,
-``if``, ``contains``, tuple items, allOf of several members, recursive ``$ref``s, remote
-refs) raise ``GrammarSpecError``.
+parameters are exactly the schema's properties, each at most once, in any order, the
+required ones present, with values that ``m3_output.parse_tool_calls`` reads back as the
+schema's types: integers, numbers, booleans, null, strings, enum / const values, objects
+(child elements), arrays (``<item>`` children, min/maxItems), anyOf / oneOf members (of
+the containers, only the one the parser converts children with), local ``$ref``s. Objects
+without properties (free-form, or maps through ``additionalProperties``) are written as
+JSON text. No string holds the ``]<]minimax[>[`` tag prefix, and a string never reads as
+another type of its union.
+
+Not enforced: string min/maxLength above 128 (llguidance 1.9's lexer, with default limits,
+mis-lexes larger bounded repetitions), numeric bounds, ``multipleOf``, ``pattern``,
+``format``, ``uniqueItems``, ``min/maxProperties``, oneOf's exclusivity. Unsupported schemas
+(``not``, ``if``, ``contains``, tuple items, allOf of several members, recursive or remote
+``$ref``s) raise ``GrammarSpecError``.
 
 ``structured_output_grammar`` turns the request's ``response_format`` (json_object,
 json_schema) or ``structured_outputs`` (json, regex, choice, grammar, json_object) into an
-llguidance grammar string via llguidance's own JSON-schema / regex / Lark compilers.
+llguidance grammar string through llguidance's own JSON-schema / regex / Lark compilers.
 Malformed specs raise ``GrammarSpecError`` (a ValueError) naming the field.
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ _SCALARS = ("null", "integer", "number", "boolean", "string")
 _TYPES = _SCALARS + ("object", "array")
 _UNSUPPORTED = ("not", "if", "then", "else", "contains", "prefixItems", "dependentSchemas")
 _NSRE = r"\]<\]minimax\[>\["
+_MAX_BOUND = 128  # the largest string length bound enforced
 _WS = r"[ \t\r\n]*"
 # What coerce_text reads as each non-string type (after stripping spaces, tabs, newlines).
 _READS_AS = {
@@ -129,6 +133,8 @@ class _Builder:
         if resolved is None:
             raise GrammarSpecError(path, f"cannot resolve $ref {json.dumps(schema.get('$ref'))} "
                                          "(only local refs are supported)")
+        if resolved is True:
+            return None
         if resolved is False:
             raise GrammarSpecError(path, "the schema false admits no value")
         if not isinstance(resolved, dict):
@@ -198,7 +204,10 @@ class _Builder:
                     alts += self._scalars(sub, types, tag, path)
                 container = container_schema(resolved, root)
                 if container is not None:
-                    alts.append(self._container(container, tag, root, path, depth))
+                    # with string among the types, a blank element reads as a string
+                    alts.append(self._container(container, tag, root, path, depth,
+                                                nonempty="string" in types))
+            alts = [a for a in alts if a is not None]
             alts = list(dict.fromkeys(alts))
             if not alts:
                 raise GrammarSpecError(path, "no element text satisfies this schema")
@@ -240,39 +249,45 @@ class _Builder:
 
     def _string(self, sub: dict, types: frozenset[str], tag: str) -> str:
         parts = ["NOTNS"]
-        lo, hi = sub.get("minLength"), sub.get("maxLength")
-        if isinstance(lo, int) or isinstance(hi, int):
-            parts.append(f"/(?s:.{{{lo if isinstance(lo, int) else 0},"
-                         f"{hi if isinstance(hi, int) else ''}}})/")
+        lo, hi = (v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_BOUND
+                  else None for v in (sub.get("minLength"), sub.get("maxLength")))
+        if lo or hi is not None:
+            parts.append(f"/(?s:.{{{lo or 0},{'' if hi is None else hi}}})/")
         parts += [f"~{_READS_AS[t]}" for t in sorted(types) if t in _READS_AS]
         body = self.term(" & ".join(parts))
         return self.term(f"{body} {_lit(f'{NS}</{tag}>')}")
 
     def _container(self, container: tuple[str, dict], tag: str, root: Any, path: str,
-                   depth: int) -> str:
+                   depth: int, *, nonempty: bool) -> str | None:
+        """The children of an array or object element and its closing tag (``nonempty``: at
+        least one child); None where no such children fit the schema."""
         kind, schema = container
         if kind == "array":
             lo, hi = schema.get("minItems"), schema.get("maxItems")
             lo = lo if isinstance(lo, int) and lo > 0 else 0
-            hi = hi if isinstance(hi, int) and hi >= lo else None
+            hi = hi if isinstance(hi, int) and hi >= 0 else None
+            lo = max(lo, int(nonempty))
+            if hi is not None and hi < lo:
+                return None
             if hi == 0:
                 return self.close(tag)
-            item = self.rule(f"{self.open(ITEM)} "
-                             f"{self.value(schema.get('items'), ITEM, root, f'{path}.items', depth + 1)}")
+            value = self.value(schema.get("items"), ITEM, root, f"{path}.items", depth + 1)
+            item = self.rule(f"{self.open(ITEM)} {value}")
             rep = f"{item}*" if not lo and hi is None else \
                 f"{item}{{{lo},{'' if hi is None else hi}}}"
             return self.rule(f"{rep} {self.close(tag)}")
         props = schema.get("properties")
         if props or schema.get("required"):
-            return self.params(schema, self.close(tag), root, path, depth)
+            return self.params(schema, self.close(tag), root, path, depth, nonempty=nonempty)
         additional = schema.get("additionalProperties")
         if additional is False:
-            return self.close(tag)  # only the empty object
+            return None if nonempty else self.close(tag)  # only the empty object
         return self.rule(f"{self._json_map(additional, root, path, depth)} {self.close(tag)}")
 
-    def params(self, schema: dict | None, close: str, root: Any, path: str, depth: int) -> str:
+    def params(self, schema: dict | None, close: str, root: Any, path: str, depth: int, *,
+               nonempty: bool = False) -> str | None:
         """The child elements of an object (its properties, each at most once, in any order,
-        the required ones present) and then ``close``."""
+        the required ones present; ``nonempty``: at least one) and then ``close``."""
         props = (schema or {}).get("properties") or {}
         if not isinstance(props, dict):
             raise GrammarSpecError(f"{path}.properties", "must be an object")
@@ -281,7 +296,7 @@ class _Builder:
             raise GrammarSpecError(f"{path}.required", "must be a list of names")
         names = list(dict.fromkeys(required)) + [n for n in props if n not in required]
         if not names:
-            return close
+            return None if nonempty else close
         elements = []
         for name in names:
             if not name.strip() or name.startswith("/") or "<" in name or ">" in name \
@@ -291,12 +306,14 @@ class _Builder:
             child = self.value(props.get(name), name, root, f"{path}.properties.{name}",
                                depth + 1)
             elements.append(self.rule(f"{self.open(name)} {child}"))
-        n_req = len(dict.fromkeys(required))
+        n_req = max(len(dict.fromkeys(required)), int(nonempty and len(names) > 64))
         if len(names) > 64:  # beyond a parametric rule's bits: the schema's order
             seq = " ".join(e if i < n_req else f"{e}?" for i, e in enumerate(elements))
             return self.rule(f"{seq} {close}")
         perm = self._name("perm")
-        alts = ['""' + (f" %if is_ones([0:{n_req}])" if n_req else "")]
+        end = (f" %if is_ones([0:{n_req}])" if n_req else
+               " %if bit_count_ge(_, 1)" if nonempty else "")
+        alts = ['""' + end]
         alts += [f"{e} {perm}::set_bit({i}) %if bit_clear({i})" for i, e in enumerate(elements)]
         self.lines.append(f"{perm}::_ : " + "\n    | ".join(alts))
         return self.rule(f"{perm}::0x0 {close}")

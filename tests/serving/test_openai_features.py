@@ -161,3 +161,63 @@ def test_echo_returns_prompt_logprobs_computed_in_the_prefill(live):
         model=MODEL, prompt=ECHO_PROMPT, max_tokens=3, echo=True, temperature=0, stream=True))
     plain = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=3, temperature=0)
     assert streamed == ECHO_PROMPT + plain.choices[0].text
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _valid(obj) -> bool:
+    return (isinstance(obj, dict) and set(obj) <= {"name", "age", "tags"}
+            and isinstance(obj.get("name"), str) and len(obj["name"]) <= 12
+            and isinstance(obj.get("age"), int) and not isinstance(obj["age"], bool)
+            and all(t in ("a", "b") for t in obj.get("tags", [])))
+
+
+def test_structured_outputs_hold_whatever_the_random_model_samples(live):
+    """The random model would write bytes; the mask makes every sample parse."""
+    import json
+    c = client(live)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    for seed in range(4):
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json"}],
+                                      response_format=fmt, max_tokens=120, temperature=1.0,
+                                      seed=seed)
+        assert r.choices[0].finish_reason == "stop", r.choices[0]
+        assert _valid(json.loads(r.choices[0].message.content)), r.choices[0].message.content
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "any"}],
+                                  response_format={"type": "json_object"}, max_tokens=120,
+                                  temperature=1.0, seed=9)
+    text = r.choices[0].message.content  # free keys: a random model may run out of tokens
+    assert text.lstrip().startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    for so, check in (({"regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+                      ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe"))):
+        for seed in range(3):
+            r = c.completions.create(model=MODEL, prompt="q", max_tokens=40, temperature=1.0,
+                                     seed=seed, extra_body={"structured_outputs": so})
+            assert check(r.choices[0].text), (so, r.choices[0].text)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt="q", max_tokens=40, temperature=1.0, seed=1, stream=True,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}))
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", streamed)
+
+
+def test_malformed_schema_gets_400_and_serving_goes_on(live):
+    c = client(live)
+    bad = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                        "schema": {"type": 7}}}},
+            "response_format"),
+           ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+           ({"response_format": {"type": "xml"}}, "response_format")]
+    for body, param in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body=body)
+        assert e.value.body["param"].startswith(param), e.value.body
+    ok = c.completions.create(model=MODEL, prompt="bias", max_tokens=6, temperature=0,
+                              extra_body={"return_token_ids": True})
+    assert ok.choices[0].token_ids == live["greedy"]
