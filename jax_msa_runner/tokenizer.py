@@ -65,9 +65,12 @@ class TextTokenizer:
         piece = self.id_to_token(t) if t < self.known else None
         return f"<|{t}|>" if piece is None else piece
 
-    def apply_chat_template(self, messages) -> str:
-        """The prompt text of ``messages`` (dicts with role and content), ending with the
-        template's generation prompt. ValueError without a template or when it raises."""
+    def apply_chat_template(self, messages, tools=None, **kwargs) -> str:
+        """The prompt text of ``messages`` (dicts with role and content, and an assistant's
+        ``tool_calls`` / a tool message's ``tool_call_id``), ending with the template's
+        generation prompt; ``tools`` (OpenAI tool definitions) and ``kwargs`` (the request's
+        ``chat_template_kwargs``, e.g. the thinking switch) are template variables.
+        ValueError without a template or when it raises."""
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template (chat_template in "
                              "tokenizer_config.json or chat_template.jinja)")
@@ -81,7 +84,8 @@ class TextTokenizer:
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.chat_template).render(
-                messages=list(messages), add_generation_prompt=True, **dict(self.special_tokens))
+                **kwargs, messages=list(messages), tools=tools, add_generation_prompt=True,
+                **dict(self.special_tokens))
         except TemplateError as e:
             raise ValueError(f"the chat template failed: {e}") from None
 

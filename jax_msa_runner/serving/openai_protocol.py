@@ -12,7 +12,11 @@ choice or chunk). Completions' ``echo`` returns the prompt before the completion
 ``max_tokens`` 0 is allowed with ``echo`` (the prompt alone: lm-eval's loglikelihood
 request). Structured outputs (llguidance): ``response_format`` ``json_schema`` /
 ``json_object`` and vLLM's ``structured_outputs`` extra (``json``, ``regex``, ``choice``,
-``grammar``) become a grammar that constrains every sampled token. ``n`` (1 to ``MAX_N``) copies sample independently (copy ``i`` of a seeded
+``grammar``) become a grammar that constrains every sampled token. Chat: ``tools`` are
+rendered by the chat template and the model's M3 tool-call syntax comes back as
+``tool_calls`` (``tool_choice`` ``auto``, ``none``, ``required`` or a named function, the last
+two enforced by a grammar over that syntax); ``<mm:think>`` reasoning comes back as
+``reasoning_content``; ``chat_template_kwargs`` reach the template. ``n`` (1 to ``MAX_N``) copies sample independently (copy ``i`` of a seeded
 request uses seed ``seed + i``); ``logit_bias`` maps token ids (as strings) to biases in
 [-100, 100], added on the device. Not supported, and rejected when set to anything but their
 default: ``best_of`` other than 1, ``suffix``, functions. Unknown fields are ignored.
@@ -26,7 +30,8 @@ from typing import Any, Sequence
 from jax_msa_runner.serving.engine import GenerationParams, TokenLogprob
 from jax_msa_runner.serving.sampling import SamplingParams
 from jax_msa_runner.serving.tokenizer_io import CHAT_ROLES, Tokenizer
-from jax_msa_runner.serving.tool_grammar import GrammarSpecError, structured_output_grammar
+from jax_msa_runner.serving.tool_grammar import (GrammarSpecError, structured_output_grammar,
+                                                 tool_call_grammar)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 MAX_N = 16  # choices per request
@@ -131,6 +136,8 @@ class ParsedRequest:
     fields: dict[str, str]
     n: int = 1
     echo: bool = False
+    tools: list | None = None  # chat: the tool definitions whose calls are parsed
+    starts_in_reasoning: bool = False  # chat: the template opened the reasoning block
 
     @property
     def prompt_only(self) -> bool:
@@ -313,21 +320,81 @@ def _message_text(msg: Any, i: int) -> tuple[str, str]:
     return role, content
 
 
+def _tools(body: dict) -> tuple[list | None, str]:
+    """(the ``tools`` list or None, the tool choice: "none", "auto", "required" or
+    "named"), each checked (400 naming the field)."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not tools:
+            raise bad_request("tools", "must be a non-empty list of tools", "invalid_type")
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise bad_request(f"tools[{i}]", 'must be {"type": "function", "function": '
+                                                 '{"name": ..., "parameters": ...}}')
+            params = fn.get("parameters", {})
+            if not isinstance(params, dict):
+                raise bad_request(f"tools[{i}].function.parameters", "must be a JSON schema "
+                                                                      "object", "invalid_type")
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tools, "auto" if tools else "none"
+    if choice in ("none", "auto", "required"):
+        if choice != "none" and not tools:
+            raise bad_request("tool_choice", f"{json.dumps(choice)} needs tools")
+        return tools, choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise bad_request("tool_choice", 'must be "none", "auto", "required" or {"type": '
+                                         '"function", "function": {"name": ...}}')
+    known = [t["function"]["name"] for t in tools or []]
+    if name not in known:
+        raise bad_request("tool_choice", f"unknown tool {json.dumps(name)}; the tools are "
+                                         f"{json.dumps(known)}")
+    return tools, "named"
+
+
 def parse_chat(body: dict, model_name: str, tokenizer: Tokenizer) -> ParsedRequest:
     """/v1/chat/completions: messages through the tokenizer's chat template; max_tokens (or
     max_completion_tokens) defaults to what max_model_len leaves after the prompt."""
     check_model(body, model_name)
-    _reject_unsupported(body, ("tools", "functions", "tool_choice", "function_call"))
+    _reject_unsupported(body, ("functions", "function_call"))
     messages = body.get("messages", _MISSING)
     if messages is _MISSING or messages is None:
         raise bad_request("messages", "is required", "missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", "must be a non-empty list of messages")
-    msgs = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
+    msgs = []
+    for i, m in enumerate(messages):
+        role, content = _message_text(m, i)
+        msg = {"role": role, "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        msgs.append(msg)
+    tools, choice = _tools(body)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs", "must be an object", "invalid_type")
     try:
-        text = tokenizer.apply_chat_template(msgs)
-    except ValueError as e:
+        text = tokenizer.apply_chat_template(msgs, tools=tools if choice != "none" else None,
+                                             **kwargs)
+    except (ValueError, TypeError) as e:
         raise bad_request("messages", f"cannot apply the chat template: {e}") from None
+    generation = _generation_fields(body)
+    if choice in ("required", "named"):
+        if "grammar" in generation:
+            raise bad_request("tool_choice", "a forced tool call cannot be combined with "
+                                             "response_format or structured_outputs")
+        try:
+            generation.update(grammar=tool_call_grammar(
+                tools, mode=choice, name=body["tool_choice"]["function"]["name"]
+                if choice == "named" else None, allow_content_before=False),
+                grammar_field="tool_choice")
+        except GrammarSpecError as e:
+            raise bad_request(e.field if e.field.startswith("tools") else "tool_choice",
+                              str(e).removeprefix(f"{e.field}: ")) from None
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, field, None)
     want = _boolean(body, "logprobs", False)
@@ -335,13 +402,16 @@ def parse_chat(body: dict, model_name: str, tokenizer: Tokenizer) -> ParsedReque
     if top is not None and not want:
         raise bad_request("top_logprobs", "requires logprobs to be true")
     stream, include_usage = _stream_fields(body)
+    thinking = kwargs.get("thinking_mode") == "enabled" or kwargs.get("enable_thinking") is True
     return ParsedRequest(chat=True, prompt_text=text, prompt_ids=None, max_tokens=max_tokens,
-                         generation=_generation_fields(body), stream=stream,
+                         generation=generation, stream=stream,
                          include_usage=include_usage,
                          return_token_ids=_boolean(body, "return_token_ids", False),
                          logprobs=(top or 0) if want else None,
                          fields={"prompt": "messages", "max_tokens": field,
-                                 "logprobs": "top_logprobs"}, n=_choices(body))
+                                 "logprobs": "top_logprobs"}, n=_choices(body),
+                         tools=tools if choice != "none" else None,
+                         starts_in_reasoning=thinking)
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -397,13 +467,25 @@ def completion_choice(text: str, finish_reason: str | None, logprobs: dict | Non
 
 def chat_choice(text: str | None, finish_reason: str | None, logprobs: dict | None,
                 token_ids: Sequence[int] | None, *, delta: bool, first: bool = False,
-                index: int = 0) -> dict:
+                index: int = 0, reasoning: str | None = None,
+                tool_calls: list | None = None) -> dict:
+    """A chat choice (``delta``: a stream chunk's). ``reasoning``: ``reasoning_content``;
+    ``tool_calls``: OpenAI tool calls (deltas in a chunk)."""
     if delta:
         msg = {"role": "assistant", "content": text or ""} if first else (
             {"content": text} if text else {})
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
         choice = {"index": index, "delta": msg}
     else:
-        choice = {"index": index, "message": {"role": "assistant", "content": text}}
+        msg = {"role": "assistant", "content": text}
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        choice = {"index": index, "message": msg}
     choice.update(logprobs=logprobs, finish_reason=finish_reason)
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)

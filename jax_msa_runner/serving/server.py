@@ -31,6 +31,8 @@ from jax_msa_runner.serving.openai_protocol import (APIError, ParsedRequest, bad
                                                     echo_logprobs,
                                                     completion_logprobs, envelope, parse_chat,
                                                     parse_completion, parse_json_object, usage)
+from jax_msa_runner.serving.m3_output import (ReasoningStream, ToolCallStream,
+                                              parse_tool_calls, split_reasoning)
 from jax_msa_runner.serving.sampling import SamplingParamError
 from jax_msa_runner.serving.scheduler import RequestRejectedError
 
@@ -205,7 +207,17 @@ async def _collect_one(stream: RequestStream, parsed: ParsedRequest, index: int,
     token_ids = ids if parsed.return_token_ids else None
     if parsed.chat:
         lp = chat_logprobs(entries, tokenizer) if parsed.logprobs is not None else None
-        return chat_choice(out, reason, lp, token_ids, delta=False, index=index), n_out
+        reasoning, content = split_reasoning(out, starts_in_reasoning=parsed.starts_in_reasoning)
+        calls = []
+        if parsed.tools:
+            content, found = parse_tool_calls(content, parsed.tools)
+            calls = [c.to_openai() for c in found]
+            if calls and reason == "stop":
+                reason = "tool_calls"
+            if calls and not content.strip():
+                content = None
+        return chat_choice(content, reason, lp, token_ids, delta=False, index=index,
+                           reasoning=reasoning, tool_calls=calls), n_out
     if echo is not None:
         return completion_choice(echo.text + out, reason,
                                  echo.logprobs(prompt_entries, entries, offsets), token_ids,
@@ -263,6 +275,21 @@ async def _stream_events(engine: Engine, streams: list[RequestStream], parsed: P
     length = [0] * len(streams)
     n_out = [0] * len(streams)
     echoed: set[int] = set()
+    reasoning = [ReasoningStream(starts_in_reasoning=parsed.starts_in_reasoning)
+                 for _ in streams]
+    calls = [ToolCallStream(parsed.tools) if parsed.tools else None for _ in streams]
+
+    def chat_deltas(i, text, final):
+        """(reasoning delta, content delta, tool-call deltas) of copy i's new text."""
+        r, c = reasoning[i].feed(text)
+        if final:
+            r2, c2 = reasoning[i].finish()
+            r, c = r + r2, c + c2
+        if calls[i] is None:
+            return r, c, []
+        events = calls[i].feed(c) + (calls[i].finish() if final else [])
+        content = "".join(e.get("content", "") for e in events)
+        return r, content, [d for e in events for d in e.get("tool_calls", [])]
 
     def chunk(choice, usage_body=None):
         return _sse(envelope(rid, created, model, chat=chat, chunk=True,
@@ -292,8 +319,12 @@ async def _stream_events(engine: Engine, streams: list[RequestStream], parsed: P
             ids = ev.token_ids if parsed.return_token_ids else None
             if chat:
                 lp = chat_logprobs(ev.logprobs, tok) if ev.logprobs is not None else None
-                yield chunk(chat_choice(ev.text, ev.finish_reason, lp, ids, delta=True,
-                                        index=i))
+                r, c, deltas = chat_deltas(i, ev.text, ev.finish_reason is not None)
+                reason = ev.finish_reason
+                if reason == "stop" and calls[i] is not None and calls[i].calls:
+                    reason = "tool_calls"
+                yield chunk(chat_choice(c, reason, lp, ids, delta=True, index=i,
+                                        reasoning=r, tool_calls=deltas))
             else:
                 lp = (completion_logprobs(ev.logprobs, tok, [length[i]] * len(ev.logprobs))
                       if ev.logprobs is not None else None)

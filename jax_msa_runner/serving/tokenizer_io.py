@@ -23,6 +23,7 @@ cuts the text where it begins (the stop string itself is not part of the output)
 """
 from __future__ import annotations
 
+import json
 from typing import Mapping, Protocol, Sequence
 
 NUM_BYTES = 256
@@ -40,7 +41,7 @@ class Tokenizer(Protocol):
 
     def token_str(self, token_id: int) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str: ...
+    def apply_chat_template(self, messages: Sequence[Mapping], tools=None, **kwargs) -> str: ...
 
 
 class ByteTokenizer:
@@ -85,9 +86,15 @@ class ByteTokenizer:
             return chr(t)
         return f"<0x{t:02X}>"
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """``<|role|>\\n{content}\\n`` per message, then ``<|assistant|>\\n``."""
-        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    def apply_chat_template(self, messages: Sequence[Mapping], tools=None, **kwargs) -> str:
+        """``<|tools|>\\n{tools as JSON}\\n`` when there are tools, ``<|role|>\\n{content}\\n``
+        per message (an assistant's tool calls as JSON after its content), then
+        ``<|assistant|>\\n``; ``kwargs`` are ignored."""
+        head = f"<|tools|>\n{json.dumps(tools)}\n" if tools else ""
+        body = "".join(f"<|{m['role']}|>\n{m.get('content') or ''}"
+                       f"{json.dumps(m['tool_calls']) if m.get('tool_calls') else ''}\n"
+                       for m in messages)
+        return head + body + "<|assistant|>\n"
 
 
 class TextStream:

@@ -23,7 +23,7 @@ from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
 
 MC = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), num_heads=4, head_dim=32,
                       rotary_dim=16, index_dim=32)
-RC = RunnerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
+RC = RunnerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=1024,
                   bucket_sizes=(8, 32))
 MODEL = "tiny-features"
 TOK = ByteTokenizer(MC.vocab_size)
@@ -64,7 +64,7 @@ def live():
     n = len(ECHO_PROMPT)
     prompt_lp = np.asarray(jax.nn.log_softmax(every.last_logits[:n - 1], axis=-1))
     engine = Engine(runner, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
-                                            max_model_len=256, num_pages=2 + 24), TOK,
+                                            max_model_len=1024, num_pages=2 + 24), TOK,
                     max_queue=32).start()
     server = ServerThread(build_app(engine, model_name=MODEL)).start()
     yield {"url": server.url, "seeded": ref[:3], "greedy": ref[3], "engine": engine,
@@ -221,3 +221,100 @@ def test_malformed_schema_gets_400_and_serving_goes_on(live):
     ok = c.completions.create(model=MODEL, prompt="bias", max_tokens=6, temperature=0,
                               extra_body={"return_token_ids": True})
     assert ok.choices[0].token_ids == live["greedy"]
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                                    "metric": {"type": "boolean"}},
+                   "required": ["city", "metric"]}}},
+         {"type": "function", "function": {
+             "name": "get_time", "parameters": {"type": "object", "properties": {
+                 "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+ASK = [{"role": "user", "content": "weather?"}]
+
+
+def _check_call(call, names):
+    import json
+    assert call.type == "function" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(args) == {"city", "metric"} and isinstance(args["metric"], bool)
+        assert isinstance(args["city"], str) and len(args["city"]) <= 6
+    else:
+        assert call.function.name == "get_time" and args == {"zone": args["zone"]}
+        assert args["zone"] in ("UTC", "CET")
+    assert call.function.name in names
+
+
+def test_forced_tool_calls_always_match_the_schema(live):
+    c = client(live)
+    for seed in range(3):
+        r = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                      tool_choice="required", max_tokens=300, temperature=1.0,
+                                      seed=seed)
+        ch = r.choices[0]
+        # "required": one or more calls, so a random model may go on calling until
+        # max_tokens; every call that completed matches its schema
+        assert ch.finish_reason in ("tool_calls", "length") and ch.message.tool_calls, ch
+        done = ch.message.tool_calls[:-1] if ch.finish_reason == "length" else \
+            ch.message.tool_calls
+        for call in done:
+            _check_call(call, ("get_weather", "get_time"))
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named,
+                                  max_tokens=400, temperature=1.0, seed=4)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]  # one call, then the end
+    (call,) = r.choices[0].message.tool_calls
+    _check_call(call, ("get_time",))
+    deltas = {}  # streamed: the deltas assemble into the same call
+    for chunk in c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                           tool_choice=named, max_tokens=400, temperature=1.0,
+                                           seed=4, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            deltas.setdefault(d.index, []).append(d)
+        last = chunk.choices[0].finish_reason or None
+    assert last == "tool_calls" and list(deltas) == [0]
+    assert deltas[0][0].function.name == "get_time"
+    assert "".join(d.function.arguments or "" for d in deltas[0]) == call.function.arguments
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    r = c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=3,
+                                  temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_bad_tool_choice_gets_400(live):
+    c = client(live)
+    for kw, param in ((dict(tools=TOOLS, tool_choice={"type": "function",
+                                                      "function": {"name": "nope"}}),
+                       "tool_choice"),
+                      (dict(tool_choice="required"), "tool_choice"),
+                      (dict(tools=[{"type": "function"}]), "tools[0]")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, **kw)
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_reasoning_is_separated_streamed_or_not(live):
+    """The grammar makes the random model write a think block, then an answer."""
+    c = client(live)
+    so = {"structured_outputs": {"regex": "<mm:think>[a-z]{4}</mm:think>[0-9]{3}"}}
+    r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, temperature=1.0,
+                                  seed=2, extra_body=so)
+    msg = r.choices[0].message
+    assert re.fullmatch("[a-z]{4}", msg.reasoning_content) and re.fullmatch("[0-9]{3}",
+                                                                             msg.content)
+    parts = {"reasoning": "", "content": ""}
+    for chunk in c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60,
+                                           temperature=1.0, seed=2, stream=True, extra_body=so):
+        d = chunk.choices[0].delta
+        parts["reasoning"] += getattr(d, "reasoning_content", None) or ""
+        parts["content"] += d.content or ""
+    assert parts == {"reasoning": msg.reasoning_content, "content": msg.content}
+    thinking = c.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=5, temperature=0,
+        extra_body={"chat_template_kwargs": {"thinking_mode": "enabled"},
+                    "structured_outputs": {"regex": "[a-z]{5}"}})
+    assert re.fullmatch("[a-z]{5}", thinking.choices[0].message.reasoning_content)
+    assert thinking.choices[0].message.content == ""
