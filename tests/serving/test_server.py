@@ -380,7 +380,10 @@ BAD = [  # (route, body, param named in the error)
      "max_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                           "top_logprobs": 21}, "top_logprobs"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+     "tools[0]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+     "tool_choice"),
 ]
 
 
