@@ -31,6 +31,32 @@ LN2 = math.log(2.0)
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
+def check_cache_and_table(kv_cache, block_table, *, hq: int, d: int, dtype, q_name: str,
+                          name: str) -> tuple[int, int]:
+    """The checks every dense attention entry makes of ``kv_cache [N, Hkv, 128, 2D]`` (against
+    the queries' ``hq`` heads, head dim ``d`` and ``dtype``; ``q_name`` names them) and of
+    ``block_table [R, P]``: ``ValueError``/``TypeError`` naming the argument and bound
+    (the table's int32 dtype is the caller's, with its other int32 inputs). Returns
+    ``(N, Hkv)``."""
+    def need(cond, msg, exc=ValueError):
+        if not cond:
+            raise exc(f"{name}: {msg}")
+
+    need(kv_cache.ndim == 4,
+         f"kv_cache must be [N, Hkv, {PAGE_SIZE}, 2*D], got shape {kv_cache.shape}")
+    n, hkv, page, two_d = kv_cache.shape
+    need(page == PAGE_SIZE, f"kv_cache page size (axis 2) must be {PAGE_SIZE}, got {page}")
+    need(two_d == 2 * d, f"kv_cache last axis must be 2*D = {2 * d} (K then V), got {two_d}")
+    need(n >= 1, f"kv_cache needs at least 1 page, got {n}")
+    need(hkv >= 1 and hq % hkv == 0,
+         f"{q_name} heads Hq = {hq} must be a multiple of kv_cache heads Hkv = {hkv}")
+    need(kv_cache.dtype == dtype,
+         f"kv_cache dtype {kv_cache.dtype} must equal {q_name} dtype {dtype}", TypeError)
+    need(block_table.ndim == 2 and block_table.shape[0] >= 1 and block_table.shape[1] >= 1,
+         f"block_table must be [R, P] with R, P >= 1, got shape {block_table.shape}")
+    return n, hkv
+
+
 def validate_inputs(q, kv_cache, block_table, req_indices, kv_lens, *, name: str):
     """Raise ``ValueError``/``TypeError`` naming the argument and bound; returns
     ``(T, Hq, D, N, Hkv, R, P)``."""
@@ -40,20 +66,10 @@ def validate_inputs(q, kv_cache, block_table, req_indices, kv_lens, *, name: str
 
     need(q.ndim == 3, f"q must be [T, Hq, D], got shape {q.shape}")
     t, hq, d = q.shape
-    need(kv_cache.ndim == 4,
-         f"kv_cache must be [N, Hkv, {PAGE_SIZE}, 2*D], got shape {kv_cache.shape}")
-    n, hkv, page, two_d = kv_cache.shape
-    need(page == PAGE_SIZE, f"kv_cache page size (axis 2) must be {PAGE_SIZE}, got {page}")
-    need(two_d == 2 * d, f"kv_cache last axis must be 2*D = {2 * d} (K then V), got {two_d}")
-    need(n >= 1, f"kv_cache needs at least 1 page, got {n}")
-    need(hkv >= 1 and hq % hkv == 0,
-         f"q heads Hq = {hq} must be a multiple of kv_cache heads Hkv = {hkv}")
     need(jnp.dtype(q.dtype) in _FLOATS, f"q dtype must be bf16, f16 or f32, got {q.dtype}",
          TypeError)
-    need(kv_cache.dtype == q.dtype,
-         f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}", TypeError)
-    need(block_table.ndim == 2 and block_table.shape[0] >= 1 and block_table.shape[1] >= 1,
-         f"block_table must be [R, P] with R, P >= 1, got shape {block_table.shape}")
+    n, hkv = check_cache_and_table(kv_cache, block_table, hq=hq, d=d, dtype=q.dtype,
+                                   q_name="q", name=name)
     need(req_indices.shape == (t,), f"req_indices must be [T] = {(t,)}, got {req_indices.shape}")
     need(kv_lens.shape == (t,), f"kv_lens must be [T] = {(t,)}, got {kv_lens.shape}")
     for arg, val in (("block_table", block_table), ("req_indices", req_indices),
@@ -160,5 +176,5 @@ def tiles_to_tokens(tiles: PrefillTiles, out_tiles, lse_tiles, num_tokens: int):
     return out_tiles[tile, row], lse_tiles[tile, :, row]
 
 
-__all__ = ["validate_inputs", "paged_attention_reference", "PrefillTiles", "max_tiles",
+__all__ = ["validate_inputs", "check_cache_and_table", "paged_attention_reference", "PrefillTiles", "max_tiles",
            "prefill_tiles", "tiles_to_tokens", "LOG2E", "LN2"]

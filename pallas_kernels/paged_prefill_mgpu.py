@@ -45,7 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import mosaic_interpret_params
 from pallas_kernels._shapes import PAGE_SIZE, SMEM_BYTES
-from pallas_kernels.paged_attention import LN2, LOG2E
+from pallas_kernels.paged_attention import LN2, LOG2E, check_cache_and_table
 
 WG_ROWS = 64  # query rows of one compute warpgroup (the wgmma's M)
 BLOCK_QS = (64, 128)  # tile rows: one or two compute warpgroups
@@ -271,18 +271,8 @@ def _check_inputs(name, q_tiles, kv_cache, block_table, tile_req, tile_kv_lens):
          f"q_tiles dtype must be bf16 or f16 (wgmma operands), got {q_tiles.dtype}", TypeError)
     need(bq in BLOCK_QS, f"tile rows BQ = q_tiles.shape[1] must be one of {BLOCK_QS}, got {bq}")
     need(d in HEAD_DIMS, f"head dim D = q_tiles.shape[3] must be one of {HEAD_DIMS}, got {d}")
-    need(kv_cache.ndim == 4,
-         f"kv_cache must be [N, Hkv, {PAGE_SIZE}, 2*D], got shape {kv_cache.shape}")
-    n, hkv, page, two_d = kv_cache.shape
-    need(page == PAGE_SIZE, f"kv_cache page size (axis 2) must be {PAGE_SIZE}, got {page}")
-    need(two_d == 2 * d, f"kv_cache last axis must be 2*D = {2 * d} (K then V), got {two_d}")
-    need(n >= 1, f"kv_cache needs at least 1 page, got {n}")
-    need(hkv >= 1 and hq % hkv == 0,
-         f"q_tiles heads Hq = {hq} must be a multiple of kv_cache heads Hkv = {hkv}")
-    need(kv_cache.dtype == q_tiles.dtype,
-         f"kv_cache dtype {kv_cache.dtype} must equal q_tiles dtype {q_tiles.dtype}", TypeError)
-    need(block_table.ndim == 2 and block_table.shape[0] >= 1 and block_table.shape[1] >= 1,
-         f"block_table must be [R, P] with R, P >= 1, got shape {block_table.shape}")
+    n, hkv = check_cache_and_table(kv_cache, block_table, hq=hq, d=d, dtype=q_tiles.dtype,
+                                   q_name="q_tiles", name=name)
     need(tile_req.shape == (nt,), f"tile_req must be [NT] = {(nt,)}, got {tile_req.shape}")
     need(tile_kv_lens.shape == (nt, bq),
          f"tile_kv_lens must be [NT, BQ] = {(nt, bq)}, got {tile_kv_lens.shape}")
