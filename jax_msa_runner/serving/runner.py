@@ -284,8 +284,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         with CompileCounter() as cc:
             for bucket in self.buckets:
-                host = self._dummy_buffer(bucket, "default", None)
-                buf = self._put(host)
+                buf = self._put(self._dummy_buffer(bucket, "default", None))
                 lowered = _forward_jit.lower(self.params, self.caches, buf,
                                              bucket=bucket, rconfig=self.rconfig,
                                              mconfig=self.mconfig,
@@ -294,12 +293,13 @@ class ModelRunner:
                                              all_token_logits=self.all_token_logits)
                 options = xla_compile_options(self.rconfig.command_buffers)
                 forward = lowered.compile(compiler_options=options)
+                # the "capture" run: the forward, then the sampling compiled on its outputs
                 row_logits, _, self.caches, md = forward(self.params, self.caches, buf)
-                sampling = _sampling_jit.lower(row_logits, md, self.penalties, buf,
-                                               self._neutral_extras(bucket),
+                extras = self._neutral_extras(bucket)
+                sampling = _sampling_jit.lower(row_logits, md, self.penalties, buf, extras,
                                                bucket=bucket).compile(compiler_options=options)
                 self._compiled[bucket] = (forward, sampling)
-                nxt, _, md = self._run(bucket, host)  # the "capture" run
+                nxt, self.penalties = sampling(row_logits, md, self.penalties, buf, extras)
                 if self.debug:
                     validate_metadata(md, self.rconfig)
                 jax.block_until_ready(nxt)
