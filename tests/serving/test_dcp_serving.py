@@ -220,6 +220,7 @@ def test_more_ranks_than_devices_is_a_clear_error():
 
 
 def test_demo_dcp_flag_sets_host_devices_or_names_the_flag(monkeypatch, capsys):
+    n = len(jax.devices())  # jax up before the test's XLA_FLAGS, whatever ran first here
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
     request_host_devices(1)  # no DCP: untouched
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1"
@@ -229,7 +230,6 @@ def test_demo_dcp_flag_sets_host_devices_or_names_the_flag(monkeypatch, capsys):
     assert os.environ["XLA_FLAGS"] == f"--xla_cpu_foo=1 {HOST_DEVICES_FLAG}=3"
     # jax already runs on len(jax.devices()) devices here: one rank more is refused clearly,
     # in one line on stderr with exit status 2 (tests/test_cli.py: before any work starts)
-    n = len(jax.devices())
     with pytest.raises(SystemExit) as exc:
         demo_main(["--dcp", str(n + 1), "--num-requests", "2"])
     assert exc.value.code == 2
