@@ -4,9 +4,9 @@ Per layer: Gemma RMSNorm -> attention -> residual -> Gemma RMSNorm -> MLP -> res
 The MLP is a dense swigluoai MLP, or on layers with ``moe_layer_freq[i] == 1`` a mixture of
 experts: a sigmoid router in f32 (``e_score_correction_bias`` added for choosing the top-k
 experts only; the chosen sigmoid scores renormalised to sum 1, times
-``routed_scaling_factor``), swigluoai routed experts computed as grouped matmuls
-(``jax.lax.ragged_dot``) over the token copies sorted by expert, plus one ungated shared
-expert. Attention: q/k/v projections, per-head Gemma RMSNorm on q and k, partial NeoX
+``routed_scaling_factor``), swigluoai routed experts (``pallas_kernels.moe_experts_default``:
+the Mosaic GPU expert kernels on a GPU, XLA grouped matmuls elsewhere), plus one ungated
+shared expert. Attention: q/k/v projections, per-head Gemma RMSNorm on q and k, partial NeoX
 RoPE on the first ``rotary_dim`` channels of every head, GQA over the paged cache. Layers
 with ``sparse_attention_freq[i] == 1`` are MSA layers: they also project index queries
 (one head per KV head) and one shared index key, normalise and rotate them with the same
@@ -16,8 +16,8 @@ layers use dense paged causal attention.
 
 A linear weight is ``[in, out]`` in the model dtype or, from an fp8 checkpoint, an
 ``Fp8Weight`` (values e4m3 ``[..., out, in]`` with their scales): ``linear`` runs those as
-weight-only fp8 matmuls (``fp8_matmul_default``); the routed experts' fp8 weights are
-dequantized one layer at a time inside the step.
+weight-only fp8 matmuls (``fp8_matmul_default``); the routed experts' fp8 weights go to the
+expert kernels as they are (dequantized on chip).
 
 Params and caches are pytrees; every shape is static per bucket. ``dcp_world_size`` is
 passed through to ``attention.layer``, the one place that treats decode context
@@ -42,8 +42,9 @@ from jax_msa_runner.attention.parallel import (expert_offset, gather_vocab, moe_
                                                tensor_psum, vocab_embed)
 from jax_msa_runner.batch.metadata import BatchMetadata
 from jax_msa_runner.config import ModelConfig
-from pallas_kernels.fp8_matmul import Fp8Weight, dequantize
+from pallas_kernels.fp8_matmul import Fp8Weight
 from pallas_kernels.fp8_matmul_default import fp8_matmul_default
+from pallas_kernels.moe_experts_default import moe_experts_default
 
 # ---- parameters ------------------------------------------------------------------------------
 
@@ -172,14 +173,6 @@ def linear(x: jax.Array, w) -> jax.Array:
     return x @ w
 
 
-def expert_weights(w, dtype) -> jax.Array:
-    """Routed experts' ``[E, in, out]`` weights: the array itself, or an ``Fp8Weight``
-    (values ``[E, out, in]``) dequantized to ``dtype`` (exact) and transposed."""
-    if isinstance(w, Fp8Weight):
-        return jnp.swapaxes(dequantize(w, dtype), -1, -2)
-    return w
-
-
 def dense_mlp(x: jax.Array, gate_up, down, alpha: float, limit: float) -> jax.Array:
     """swigluoai MLP: x [T, H] @ gate_up [H, 2I] -> act [T, I] @ down [I, H] -> [T, H]
     (either weight may be an ``Fp8Weight``, see ``linear``)."""
@@ -206,39 +199,28 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, *, top_k: int
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, token_mask: jax.Array,
-                   gate_up: jax.Array, down: jax.Array, alpha: float, limit: float) -> jax.Array:
-    """Weighted sum of each token's chosen swigluoai experts, as two grouped matmuls.
+                   gate_up, down, alpha: float, limit: float) -> jax.Array:
+    """Weighted sum of each token's chosen swigluoai experts (all E experts local).
 
     x [T, H]; weights [T, k] f32; experts [T, k] int32 in [0, E); token_mask [T] bool;
-    gate_up [E, H, 2I]; down [E, I, H]. The T*k (token, expert) copies are sorted by expert
-    and multiplied group by group (``jax.lax.ragged_dot``). Copies of masked (padding)
-    tokens are sorted behind every group, outside ``group_sizes``: they cost no expert
-    weights and come out as zeros. Returns [T, H] in x.dtype.
+    gate_up [E, H, 2I] / down [E, I, H] in x.dtype, or ``Fp8Weight``s (values [E, 2I, H] /
+    [E, H, I]). Copies of masked (padding) tokens contribute nothing. Returns [T, H] in x.dtype.
     """
     return routed_experts_partial(x, weights, experts, token_mask, gate_up, down, alpha,
                                   limit).astype(x.dtype)
 
 
 def routed_experts_partial(x: jax.Array, weights: jax.Array, experts: jax.Array,
-                           token_mask: jax.Array, gate_up: jax.Array, down: jax.Array,
-                           alpha: float, limit: float, first_expert=0) -> jax.Array:
+                           token_mask: jax.Array, gate_up, down, alpha: float, limit: float,
+                           first_expert=0) -> jax.Array:
     """``routed_experts`` over the local experts ``[first_expert, first_expert + E_local)``
-    only (gate_up [E_local, H, 2I_local], down [E_local, I_local, H]): copies routed to
-    other experts are sorted behind every group like padding. Returns f32 [T, H], the
-    partial sum that the other ranks' partials complete."""
-    T, k = experts.shape
-    E = gate_up.shape[0]
-    local = experts - first_expert
-    mine = token_mask[:, None] & (local >= 0) & (local < E)
-    flat = jnp.where(mine, local, E).reshape(T * k)  # E: no (local) expert
-    order = jnp.argsort(flat, stable=True)  # copies grouped by expert, the rest last
-    group_sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
-    xs = x[order // k]  # [T*k, H]
-    h = jax.lax.ragged_dot(xs, gate_up, group_sizes, preferred_element_type=jnp.float32)
-    h = swigluoai(h, alpha, limit).astype(x.dtype)  # [T*k, I]
-    y = jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32)
-    unsorted = jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1)  # back to (token, slot)
-    return jnp.einsum("tk,tkh->th", jnp.where(mine, weights, 0.0), unsorted)
+    only (gate_up [E_local, H, 2I_local], down [E_local, I_local, H], or ``Fp8Weight``s):
+    copies routed to other experts contribute nothing. Returns f32 [T, H], the partial sum
+    that the other ranks' partials complete. Runs ``moe_experts_default``: the Mosaic GPU
+    expert kernels on a GPU (weights streamed once, fp8 dequantized on chip), XLA's grouped
+    matmuls elsewhere."""
+    return moe_experts_default(x, weights, experts, token_mask, gate_up, down, alpha=alpha,
+                               limit=limit, first_expert=first_expert)
 
 
 def moe_mlp(layer: dict, x: jax.Array, token_mask: jax.Array, config: ModelConfig,
@@ -254,11 +236,11 @@ def moe_mlp(layer: dict, x: jax.Array, token_mask: jax.Array, config: ModelConfi
     weights, experts, _ = route(x, layer["router"], layer.get("router_bias"),
                                 top_k=c.num_experts_per_tok,
                                 routed_scaling_factor=c.routed_scaling_factor)
-    gate_up = expert_weights(layer["experts_gate_up"], x.dtype)
-    down = expert_weights(layer["experts_down"], x.dtype)
+    gate_up, down = layer["experts_gate_up"], layer["experts_down"]
+    local_experts = (gate_up.values if isinstance(gate_up, Fp8Weight) else gate_up).shape[0]
     part = routed_experts_partial(x, weights, experts, token_mask, gate_up, down,
                                   c.swiglu_alpha, c.swiglu_limit,
-                                  first_expert=expert_offset(gate_up.shape[0], ep_size))
+                                  first_expert=expert_offset(local_experts, ep_size))
     out = moe_psum(part, tp_size, ep_size).astype(x.dtype)
     if c.shared_intermediate_size:
         out = out + tensor_psum(dense_mlp(x, layer["shared_gate_up"], layer["shared_down"],

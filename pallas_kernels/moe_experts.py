@@ -1,8 +1,9 @@
 """MoE routed experts: the contract, its input checks, the jax.numpy reference and the routing
 step the kernels share (the token copies grouped by local expert).
 
-Contract (``moe_experts_reference``, :func:`pallas_kernels.moe_experts_default.moe_experts_default`
-and the Mosaic GPU kernels of :mod:`pallas_kernels.moe_experts_mgpu` all compute it): the
+Contract (``moe_experts_reference``, ``moe_experts_xla``,
+:func:`pallas_kernels.moe_experts_default.moe_experts_default` and the Mosaic GPU kernels of
+:mod:`pallas_kernels.moe_experts_mgpu` all compute it): the
 partial sum of one rank's routed experts, ``routed_experts_partial`` of the runner's model,
 
     out[t] = sum_j [mine(t, j)] weights[t, j] * expert_{e(t, j)}(x[t])      (f32 [T, H])
@@ -203,6 +204,30 @@ def moe_experts_reference(x, weights, experts, token_mask, gate_up, down, *, alp
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("alpha", "limit"))
+def moe_experts_xla(x, weights, experts, token_mask, gate_up, down, *, alpha: float,
+                    limit: float, first_expert=0) -> jax.Array:
+    """The contract as two XLA grouped matmuls (``lax.ragged_dot``): the copies sorted by
+    local expert (others' and masked copies behind every group, outside ``group_sizes``: no
+    weights read, zeros out), fp8 weights dequantized to x.dtype first. The fallback where
+    the kernels do not run (a CPU backend, f16/f32 x, unsupported sizes). Returns f32 [T, H]."""
+    s = check_moe_inputs(x, weights, experts, token_mask, gate_up, down, first_expert,
+                         "moe_experts_xla")
+    gu = dense_expert_weights(gate_up, x.dtype)
+    dn = dense_expert_weights(down, x.dtype)
+    local, mine = local_copies(experts, token_mask, s.e, first_expert)
+    flat = jnp.where(mine, local, s.e).reshape(s.copies)  # e: not a local copy
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=s.e + 1)[:s.e].astype(jnp.int32)
+    xs = x[order // s.k]  # [T*k, H]
+    hid = lax.ragged_dot(xs, gu, group_sizes, preferred_element_type=jnp.float32)
+    act = swigluoai(hid, alpha, limit).astype(x.dtype)  # [T*k, I]
+    y = lax.ragged_dot(act, dn, group_sizes, preferred_element_type=jnp.float32)
+    unsorted = jnp.zeros_like(y).at[order].set(y).reshape(s.t, s.k, s.h)
+    return jnp.einsum("tk,tkh->th", jnp.where(mine, weights.astype(jnp.float32), 0.0),
+                      unsorted)
+
+
 # --------------------------------------------------------------------------- routing
 
 def slot_bound(copies: int, num_experts: int, tile: int) -> int:
@@ -289,6 +314,6 @@ def combine_copies(y_rows: jax.Array, groups: CopyGroups, weights: jax.Array) ->
     return jnp.sum(jnp.where(groups.mine[:, :, None], w * y, 0.0), axis=1)
 
 
-__all__ = ["moe_experts_reference", "check_moe_inputs", "MoeShapes", "weight_format",
+__all__ = ["moe_experts_reference", "moe_experts_xla", "check_moe_inputs", "MoeShapes", "weight_format",
            "swigluoai", "dense_expert_weights", "local_copies", "group_copies",
            "combine_copies", "CopyGroups", "slot_bound", "aligned_rows", "FORMATS"]

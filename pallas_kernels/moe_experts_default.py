@@ -9,8 +9,9 @@
   both for a trace that targets a GPU (compiled), or whenever ``interpret`` asks for the
   kernels (then interpreted: the CPU tests), with bf16 x and sizes the kernels take
   (:func:`~pallas_kernels.moe_experts_mgpu.unsupported_reason`);
-- ``"reference"``: :func:`~pallas_kernels.moe_experts.moe_experts_reference` everywhere else
-  (a CPU backend, f16/f32 activations, other sizes).
+- ``"xla"``: :func:`~pallas_kernels.moe_experts.moe_experts_xla` (two XLA ragged_dots)
+  everywhere else (a CPU backend, f16/f32 activations, other sizes);
+- ``"reference"`` (:func:`~pallas_kernels.moe_experts.moe_experts_reference`) only when asked.
 
 The choice is static (shapes, dtypes, the trace's platform).
 """
@@ -21,19 +22,20 @@ import functools
 import jax
 
 from pallas_kernels._interpret import resolve_interpret
-from pallas_kernels.moe_experts import MoeShapes, check_moe_inputs, moe_experts_reference
+from pallas_kernels.moe_experts import (MoeShapes, check_moe_inputs, moe_experts_reference,
+                                        moe_experts_xla)
 from pallas_kernels.moe_experts_mgpu import moe_decode_mgpu, moe_prefill_mgpu, unsupported_reason
 
 DECODE_MAX_COPIES = 64  # copies (T * k) up to which the fused decode kernel runs
-BACKENDS = ("decode", "prefill", "reference")
+BACKENDS = ("decode", "prefill", "xla", "reference")
 
 
 def moe_experts_backend(s: MoeShapes, x_dtype, *, interpreting: bool, on_gpu: bool) -> str:
-    """``"decode"``, ``"prefill"`` or ``"reference"`` for a call of sizes ``s`` (module
+    """``"decode"``, ``"prefill"`` or ``"xla"`` for a call of sizes ``s`` (module
     docstring). ``interpreting``: the kernels were asked for in interpret mode; ``on_gpu``:
     the trace targets a GPU."""
     if unsupported_reason(s, x_dtype) is not None or not (interpreting or on_gpu):
-        return "reference"
+        return "xla"
     return "decode" if s.copies <= DECODE_MAX_COPIES else "prefill"
 
 
@@ -47,7 +49,7 @@ def moe_experts_default(x, weights, experts, token_mask, gate_up, down, *, alpha
     [E, 2I, H] / [E, H, I]); alpha, limit static floats; first_expert an int or a traced int32
     scalar (the global id of local expert 0). Returns f32 [T, H].
 
-    ``interpret``: None (the kernels compiled when the trace targets a GPU, the reference
+    ``interpret``: None (the kernels compiled when the trace targets a GPU, ``moe_experts_xla``
     otherwise), False (the same), True or a ``plgpu.InterpretGPUParams`` (the kernels
     interpreted where they apply). ``backend``: None (the rule) or one of :data:`BACKENDS`
     (static; a kernel forced on unsupported sizes raises).
@@ -62,9 +64,10 @@ def moe_experts_default(x, weights, experts, token_mask, gate_up, down, *, alpha
         raise ValueError(f"moe_experts_default: backend must be one of {BACKENDS} or None, "
                          f"got {backend!r}")
     kw = dict(alpha=alpha, limit=limit)
-    if backend == "reference":
-        return moe_experts_reference(x, weights, experts, token_mask, gate_up, down,
-                                     first_expert=first_expert, **kw)
+    if backend in ("xla", "reference"):
+        fn = moe_experts_xla if backend == "xla" else moe_experts_reference
+        return fn(x, weights, experts, token_mask, gate_up, down, first_expert=first_expert,
+                  **kw)
     kernel = moe_decode_mgpu if backend == "decode" else moe_prefill_mgpu
     return kernel(x, weights, experts, token_mask, gate_up, down, first_expert,
                   interpret=interpret if interpreting else False, **kw)

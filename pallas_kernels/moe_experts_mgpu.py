@@ -505,6 +505,15 @@ class _GateUp:
         self.ksteps = s.h // tile_k
         self.steps = subs * self.ksteps
 
+    @classmethod
+    def of(cls, cfg, subs: int, xs_ref, gu_ref, pair_refs: dict, scr: dict) -> "_GateUp":
+        """The step of a decode or prefill launch ``cfg`` over its scratch buffers."""
+        return cls(s=cfg.shapes, tile_c=cfg.tile_c, tile_k=cfg.tile_k, stages=cfg.stages,
+                   subs=subs, a_in_smem=cfg.a_in_smem, xs_ref=xs_ref, gu_ref=gu_ref,
+                   x_ring=pair_refs["x_ring"], w_ring=pair_refs["w_ring"], bars=scr["bars1"],
+                   s_rows=pair_refs.get("s_rows"), s_blk=scr.get("s_gu"),
+                   a_smem=pair_refs.get("a_smem"))
+
     def rows(self, j, u):
         """First gate row and first up row of sub-tile u of intermediate tile j."""
         og = j * (self.subs * ROWS) + u * ROWS
@@ -616,13 +625,18 @@ def _scale_arrivals(fmt: str, kind: str) -> int:
     return {"block128": 1}.get(fmt, 0)  # down: the block matrix once per item
 
 
+def _gate_up_refs(it, s: MoeShapes):
+    """(slot table, xs, gate_up values, gate_up scales or None) off the kernel's refs."""
+    meta_ref, xs_ref, gu_ref = next(it), next(it), next(it)
+    return meta_ref, xs_ref, gu_ref, next(it) if s.gate_up_fmt != "dense" else None
+
+
 # --------------------------------------------------------------------------- decode kernel
 
 def _decode_body(*refs, cfg: DecodeConfig, alpha: float, limit: float, **scr):
     s = cfg.shapes
     it = iter(refs)
-    meta_ref, xs_ref, gu_ref = next(it), next(it), next(it)
-    gus_ref = next(it) if s.gate_up_fmt != "dense" else None
+    meta_ref, xs_ref, gu_ref, gus_ref = _gate_up_refs(it, s)
     dn_ref = next(it)
     dns_ref = next(it) if s.down_fmt != "dense" else None
     phi_ref, plo_ref = next(it), next(it)
@@ -634,11 +648,7 @@ def _decode_body(*refs, cfg: DecodeConfig, alpha: float, limit: float, **scr):
     a2 = scr.get("a2_smem")
     sbar = scr.get("sbar")
     dfmt = s.down_fmt
-    gate_up = _GateUp(s=s, tile_c=tc, tile_k=cfg.tile_k, stages=cfg.stages, subs=cfg.subs,
-                      a_in_smem=cfg.a_in_smem, xs_ref=xs_ref, gu_ref=gu_ref,
-                      x_ring=pair_refs["x_ring"], w_ring=pair_refs["w_ring"],
-                      bars=scr["bars1"], s_rows=pair_refs.get("s_rows"),
-                      s_blk=scr.get("s_gu"), a_smem=pair_refs.get("a_smem"))
+    gate_up = _GateUp.of(cfg, cfg.subs, xs_ref, gu_ref, pair_refs, scr)
 
     def item(slot: _Slot, j):
         e, start, out, rows = slot
@@ -771,17 +781,12 @@ def _decode_scratch(cfg: DecodeConfig) -> dict:
 def _prefill_gate_up_body(*refs, cfg: PrefillConfig, alpha: float, limit: float, **scr):
     s = cfg.shapes
     it = iter(refs)
-    meta_ref, xs_ref, gu_ref = next(it), next(it), next(it)
-    gus_ref = next(it) if s.gate_up_fmt != "dense" else None
+    meta_ref, xs_ref, gu_ref, gus_ref = _gate_up_refs(it, s)
     act_ref = next(it)
     pair_refs, o_act = scr["union"]
     sbar = scr.get("sbar")
     tc = cfg.tile_c
-    gate_up = _GateUp(s=s, tile_c=tc, tile_k=cfg.tile_k, stages=cfg.stages, subs=1,
-                      a_in_smem=cfg.a_in_smem, xs_ref=xs_ref, gu_ref=gu_ref,
-                      x_ring=pair_refs["x_ring"], w_ring=pair_refs["w_ring"],
-                      bars=scr["bars1"], s_rows=pair_refs.get("s_rows"),
-                      s_blk=scr.get("s_gu"), a_smem=pair_refs.get("a_smem"))
+    gate_up = _GateUp.of(cfg, 1, xs_ref, gu_ref, pair_refs, scr)
 
     def item(slot: _Slot, j):
         e, start, _, rows = slot

@@ -1,4 +1,5 @@
-"""MoE MLP: routing, grouped-matmul experts against a per-token NumPy loop, padding, config."""
+"""MoE MLP: routing, the routed experts against a per-token NumPy loop, padding, config, the
+expert kernels in the lowering for an H200."""
 import dataclasses
 
 import chex
@@ -13,6 +14,8 @@ from jax_msa_runner.batch.staging import stage_batch
 from jax_msa_runner.config import ConfigError, ModelConfig, RunnerConfig
 from jax_msa_runner.model import (forward, forward_with_routing, init_moe_params, init_params,
                                   moe_mlp, route, routed_experts)
+from pallas_kernels._lowering import custom_call_counts, lower_for_cuda
+from pallas_kernels.moe_experts_default import DECODE_MAX_COPIES
 
 
 def _swigluoai(gu, alpha=1.702, limit=7.0):
@@ -131,18 +134,46 @@ def test_padding_tokens_are_outside_the_groups():
     npt.assert_allclose(out[:7], real, rtol=1e-6, atol=1e-6)
 
 
-def test_experts_are_two_grouped_matmuls():
-    """The routed experts are exactly two ragged_dot calls: no per-expert loop, no dense
-    all-experts product."""
+def _primitives(jaxpr) -> list[str]:
+    """Every primitive of a jaxpr, through the sub-jaxprs of jit / cond / scan calls."""
+    names = []
+    for eqn in jaxpr.eqns:
+        names.append(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names += _primitives(inner)
+    return names
+
+
+def test_experts_off_the_gpu_are_two_grouped_matmuls():
+    """Off a GPU the routed experts are XLA's two ragged_dot calls (moe_experts_xla): no
+    per-expert loop, no dense all-experts product."""
     cfg = ModelConfig.tiny(hidden_size=16, moe_intermediate_size=8, shared_intermediate_size=0)
     layer = init_moe_params(cfg, jax.random.key(0))
     jaxpr = jax.make_jaxpr(lambda x: moe_mlp(layer, x, jnp.ones((5,), bool), cfg))(
         jnp.ones((5, 16)))
-    prims = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    prims = _primitives(jaxpr.jaxpr)
     assert prims.count("ragged_dot_general") + prims.count("ragged_dot") == 2, prims
-    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
-    assert all(cfg.num_experts not in e.invars[1].aval.shape[:1] or e.invars[1].aval.ndim < 3
-               for e in dots)
+    assert "scan" not in prims and "while" not in prims, prims
+
+
+@pytest.mark.parametrize("t", [1, 2048])
+def test_moe_mlp_lowers_to_the_expert_kernels_for_h200(t):
+    """At the per-rank serving shapes (16 local experts of hidden 6144, intermediate 3072,
+    top 4; bf16) the model's MoE MLP lowered for an abstract H200 runs the Mosaic GPU expert
+    kernels (decode: one call; prefill: two) and no XLA ragged_dot, no Triton."""
+    cfg = ModelConfig.tiny(hidden_size=6144, num_experts=16, num_experts_per_tok=4,
+                           moe_intermediate_size=3072, shared_intermediate_size=0,
+                           dtype="bfloat16")
+    layer = jax.eval_shape(lambda: init_moe_params(cfg, jax.random.key(0)))
+    x = jax.ShapeDtypeStruct((t, 6144), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((t,), jnp.bool_)
+    text = lower_for_cuda(lambda lay, h, m: moe_mlp(lay, h, m, cfg)[0], layer, x, mask)
+    counts = custom_call_counts(text)
+    assert counts["mosaic"] == (1 if t * 4 <= DECODE_MAX_COPIES else 2), counts
+    assert counts["triton"] == 0 and "ragged_dot" not in text, counts
 
 
 def test_forward_padding_does_not_change_real_tokens():

@@ -1,5 +1,6 @@
 """MoE routed experts: the reference, the Mosaic GPU decode and prefill kernels and the
-default against the model's ``routed_experts_partial`` (XLA ragged_dot), the routing step,
+default against XLA's grouped matmuls (``moe_experts_xla``, the model's former MoE and the
+fallback off the GPU), the routing step, the model's MoE on the default,
 the CUDA lowering for an abstract H200 at the serving shapes, and the errors of bad inputs.
 
 The kernels run in Mosaic GPU interpret mode on a CPU backend and compiled on a GPU (the same
@@ -21,13 +22,13 @@ import numpy as np
 import pytest
 
 from _helpers import INTERPRET, fresh_seed
-from jax_msa_runner.model import expert_weights, routed_experts_partial, swigluoai
+from jax_msa_runner.model import routed_experts_partial, swigluoai
 from pallas_kernels._lowering import custom_call_counts, lower_for_cuda
 from pallas_kernels._shapes import SMEM_BYTES
 from pallas_kernels.fp8_matmul import (BLOCK, MX_GROUP, Fp8Weight, quantize_block128,
                                        quantize_mxfp8)
 from pallas_kernels.moe_experts import (aligned_rows, check_moe_inputs, group_copies,
-                                        moe_experts_reference, slot_bound)
+                                        moe_experts_reference, moe_experts_xla, slot_bound)
 from pallas_kernels.moe_experts import swigluoai as our_swigluoai
 from pallas_kernels.moe_experts_default import (DECODE_MAX_COPIES, moe_experts_backend,
                                                 moe_experts_default)
@@ -98,14 +99,13 @@ def make_routing(rng, t, k, e, first, num_global, *, empty=None, full=None, mask
 
 
 @jax.jit
-def model_partial(x, weights, experts, mask, gu, dn, first):
-    return routed_experts_partial(x, weights, experts, mask, expert_weights(gu, x.dtype),
-                                  expert_weights(dn, x.dtype), ALPHA, LIMIT,
-                                  first_expert=first)
+def xla_partial(x, weights, experts, mask, gu, dn, first):
+    """XLA's grouped matmuls: the check every kernel and the reference are held to."""
+    return moe_experts_xla(x, weights, experts, mask, gu, dn, first_expert=first, **KW)
 
 
 def check_out(out, ref, msg):
-    """``out`` against the model (f32 [T, H]): a few bf16 roundings of the activation."""
+    """``out`` against XLA's grouped matmuls (f32 [T, H]): a few bf16 roundings of the activation."""
     out = np.asarray(out, np.float64)
     ref = np.asarray(ref, np.float64)
     assert out.shape == ref.shape and np.isfinite(out).all(), msg
@@ -145,7 +145,7 @@ def _no_local_copy(experts, mask, first, e):
 
 
 # --------------------------------------------------------------------------- the reference
-# (the reference against the model at each scenario and format: in the kernel tests below)
+# (the reference against XLA's at each scenario and format: in the kernel tests below)
 
 def test_swigluoai_is_the_models():
     seed = fresh_seed()
@@ -162,7 +162,7 @@ def test_reference_f32_and_traced_first_expert():
     dn = jnp.asarray(rng.standard_normal((e, i, h)) / 6, jnp.float32)
     weights, experts, mask = make_routing(rng, t, k, e, 3, 9)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
-    ref = routed_experts_partial(x, weights, experts, mask, gu, dn, ALPHA, LIMIT, first_expert=3)
+    ref = moe_experts_xla(x, weights, experts, mask, gu, dn, first_expert=3, **KW)
     fn = jax.jit(lambda f: moe_experts_reference(x, weights, experts, mask, gu, dn,
                                                  first_expert=f, **KW))
     chex.assert_trees_all_close(fn(jnp.int32(3)), ref, atol=1e-5, rtol=1e-5,
@@ -207,9 +207,9 @@ KERNELS = {"decode": moe_decode_mgpu, "prefill": moe_prefill_mgpu}
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-def test_kernel_matches_model_and_reference(kernel, name, fmt):
-    """The kernel (NaN in the padding tokens' x rows) against the model and the reference
-    (zeros there: the model multiplies them by 0), and the reference against the model."""
+def test_kernel_matches_xla_and_reference(kernel, name, fmt):
+    """The kernel (NaN in the padding tokens' x rows) against XLA's grouped matmuls and the
+    reference (zeros there), and the reference against XLA's."""
     seed = fresh_seed()
     x, weights, experts, mask, gu, dn, first = _case(name, fmt, seed)
     msg = f"seed {seed}, {kernel}, {name}, {fmt}"
@@ -219,15 +219,15 @@ def test_kernel_matches_model_and_reference(kernel, name, fmt):
     chex.assert_shape(out, x.shape)
     assert out.dtype == jnp.float32
     x0 = jnp.where(mask[:, None], x, 0)
-    ref = model_partial(x0, weights, experts, mask, gu, dn, first)
+    ref = xla_partial(x0, weights, experts, mask, gu, dn, first)
     ours = moe_experts_reference(x0, weights, experts, mask, gu, dn, first_expert=first, **KW)
     assert ours.dtype == jnp.float32
     # the same f32 products summed in other orders: an activation's bf16 rounding may flip
     chex.assert_trees_all_close(ours, ref, atol=1e-3 * float(jnp.abs(ref).max()), rtol=1e-3,
-                                custom_message=msg + ": reference vs model")
+                                custom_message=msg + ": reference vs xla")
     err = float(jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref))
-    assert err < 1e-4, f"{msg}: reference vs model, relative L2 error {err:.2e}"
-    check_out(out, ref, msg + " vs model")
+    assert err < 1e-4, f"{msg}: reference vs xla, relative L2 error {err:.2e}"
+    check_out(out, ref, msg + " vs xla")
     check_out(out, ours, msg + " vs reference")
     none = _no_local_copy(experts, mask, first, gu[0].shape[0] if isinstance(gu, Fp8Weight)
                           else gu.shape[0])
@@ -236,29 +236,31 @@ def test_kernel_matches_model_and_reference(kernel, name, fmt):
 
 
 def test_default_picks_and_runs_the_kernels():
-    """CPU: the reference unless asked (interpret=True runs the kernel the rule picks); the
-    rule: decode up to DECODE_MAX_COPIES copies, prefill above, reference off the GPU."""
+    """CPU: XLA's grouped matmuls unless asked (interpret=True runs the kernel the rule picks);
+    the rule: decode up to DECODE_MAX_COPIES copies, prefill above, XLA off the GPU; the
+    model's routed_experts_partial is the default."""
     seed = fresh_seed()
     x, weights, experts, mask, gu, dn, first = _case("mixed", "mxfp8", seed)
     x0 = jnp.where(mask[:, None], x, 0)
-    ref = model_partial(x0, weights, experts, mask, gu, dn, first)
+    ref = xla_partial(x0, weights, experts, mask, gu, dn, first)
     out = moe_experts_default(x0, weights, experts, mask, gu, dn, first_expert=first, **KW)
     check_out(out, ref, f"seed {seed}, default")
+    model = jax.jit(lambda *a: routed_experts_partial(*a, ALPHA, LIMIT, first_expert=first))
+    chex.assert_trees_all_equal(model(x0, weights, experts, mask, gu, dn), out)
     if INTERPRET:
-        chex.assert_trees_all_equal(out, moe_experts_reference(
-            x0, weights, experts, mask, gu, dn, first_expert=first, **KW))
+        chex.assert_trees_all_equal(out, ref)
         y = moe_experts_default(x, weights, experts, mask, gu, dn, first_expert=first,
                                 interpret=True, **KW)
         check_out(y, ref, f"seed {seed}, default interpreted")
     s = check_moe_inputs(x, weights, experts, mask, gu, dn)
     bf16 = jnp.bfloat16
-    assert moe_experts_backend(s, bf16, interpreting=False, on_gpu=False) == "reference"
+    assert moe_experts_backend(s, bf16, interpreting=False, on_gpu=False) == "xla"
     assert moe_experts_backend(s, bf16, interpreting=True, on_gpu=False) == "decode"
-    assert moe_experts_backend(s, jnp.float32, interpreting=True, on_gpu=True) == "reference"
+    assert moe_experts_backend(s, jnp.float32, interpreting=True, on_gpu=True) == "xla"
     big = s._replace(t=DECODE_MAX_COPIES // s.k + 1)
     assert moe_experts_backend(big, bf16, interpreting=False, on_gpu=True) == "prefill"
     assert moe_experts_backend(s._replace(h=200), bf16, interpreting=False,
-                               on_gpu=True) == "reference"
+                               on_gpu=True) == "xla"
 
 
 def test_empty_batch_and_no_local_copies():
