@@ -71,10 +71,10 @@ import numpy as np  # noqa: E402
 
 from _common import FLUSH_BYTES, geomean, rel_l2, time_jax, timer_description  # noqa: E402
 from jax_msa_runner.model import expert_weights, routed_experts_partial  # noqa: E402
-from pallas_kernels.fp8_matmul import (BLOCK, MX_GROUP, Fp8Weight, quantize_block128,  # noqa: E402
-                                       quantize_mxfp8)
+from pallas_kernels.fp8_matmul import BLOCK, MX_GROUP, quantize_block128, quantize_mxfp8  # noqa: E402,E501
 from pallas_kernels.moe_experts import check_moe_inputs, moe_experts_reference  # noqa: E402
-from pallas_kernels.moe_experts_default import moe_experts_backend, moe_experts_default  # noqa: E402
+from pallas_kernels.moe_experts_default import (moe_experts_backend,  # noqa: E402
+                                                moe_experts_default)
 from pallas_kernels.moe_experts_mgpu import make_decode_config, make_prefill_config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
