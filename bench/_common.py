@@ -28,7 +28,8 @@
 - ``host_latency_s``: wall time of whole host-driven calls (a serving step, host packing),
   for the scripts that time end-to-end latency rather than device work.
 - Arguments (``add_common_args``, ``positive_int``), ``write_json`` (adds date, device,
-  jax version), ``copy_bandwidth`` (the roofline), ``hlo_kernel_count``, ``rel_l2``.
+  jax version), ``copy_bandwidth`` (the roofline), ``matmul_peak`` (the measured bf16 GEMM
+  rate), ``hlo_kernel_count``, ``rel_l2``.
 """
 from __future__ import annotations
 
@@ -367,6 +368,25 @@ def copy_bandwidth(nbytes: int = 2 << 30, *, n: int = 10, trials: int = 3) -> di
     return {"copy_Bps": nbytes / t, "bytes": nbytes,
             "method": f"jnp scale copy of {nbytes >> 20} MiB (read + write), "
                       f"{timer_description('warm', n)}, best of {trials}"}
+
+
+def bf16_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """The peak's matmul: bf16 ``a [n, n] @ b [n, n]`` with f32 accumulation, bf16 out."""
+    return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def matmul_peak(n: int = 8192, *, reps: int = 10, trials: int = 3) -> dict:
+    """Measured bf16 matmul throughput, FLOP/s: ``bf16_matmul`` of two random ``[n, n]``
+    operands (2 n^3 FLOPs; XLA's library GEMM on a GPU), timed by ``time_jax`` (warm mode: one
+    product outlasts its dispatch by far), best of ``trials``."""
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (n, n), jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.float32).astype(jnp.bfloat16)
+    t = min(time_jax(bf16_matmul, (a, b), n=reps, trials=trials, l2="warm").samples_s)
+    del a, b
+    return {"flops_per_s": 2 * n ** 3 / t, "n": n,
+            "method": f"bf16 [{n}, {n}] @ [{n}, {n}] (f32 accumulation) by XLA, "
+                      f"{timer_description('warm', reps)}, best of {trials}"}
 
 
 # --------------------------------------------------------------------------- kernel count

@@ -9,11 +9,13 @@
 #   layer    bench/real_layer.py: one real-shaped dense and one MSA+MoE layer per rank
 #   fp8      bench/fp8_matmul.py: the weight-only fp8 matmul kernel vs XLA and bf16 (issue 47)
 #   dense    bench/dense_attention.py: dense paged attention vs vLLM 0.33.0's unified_attention (carry .vllm_ops)
+#   moe      bench/moe.py: the MoE routed experts vs vLLM 0.33.0's fused_moe_kernel and XLA (issue 49; carry .vllm_ops)
 #   serve    bench/serve_load.py: the OpenAI server under load (carry .whl with FastAPI/uvicorn wheels)
 # FLAGS after `--` go to every bench script of the call. $OUT gets one PART.log per part plus each
 # script's own files. TEST_TIMEOUT_S bounds the tests (default 200 s), KERNELS_BUDGET_S the
 # shapes bench/kernels.py starts (default 380 s less the time already spent), DENSE_BUDGET_S those
-# bench/dense_attention.py starts (default 420 s less the time already spent).
+# bench/dense_attention.py starts (default 420 s less the time already spent), MOE_BUDGET_S those
+# bench/moe.py starts (default 420 s less the time already spent).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts=(); flags=()
@@ -23,8 +25,8 @@ while (($#)); do
 done
 ((${#parts[@]})) || parts=(tests kernels)
 for p in "${parts[@]}"; do
-  [[ $p =~ ^(tests|kernels|compare|prefill|layer|fp8|dense|serve)$ ]] || {
-    echo "device_run.sh: unknown part '$p' (tests kernels compare prefill layer fp8 dense serve)" >&2; exit 2; }
+  [[ $p =~ ^(tests|kernels|compare|prefill|layer|fp8|dense|moe|serve)$ ]] || {
+    echo "device_run.sh: unknown part '$p' (tests kernels compare prefill layer fp8 dense moe serve)" >&2; exit 2; }
 done
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -76,6 +78,13 @@ for p in "${parts[@]}"; do
       timeout $(( budget + 90 )) python3 bench/dense_attention.py --out "$out" --require-vllm \
         --budget-s "$budget" "${flags[@]}" > "$log" 2>&1
       echo "dense_attention.py rc=$?" >> "$log" ;;
+    moe)
+      need_vllm_ops moe || continue
+      budget=$(( ${MOE_BUDGET_S:-420} - SECONDS )); (( budget < 60 )) && budget=60
+      timeout $(( budget + 120 )) python3 bench/moe.py --out "$out" --require-vllm \
+        --budget-s "$budget" "${flags[@]}" > "$log" 2>&1
+      echo "moe.py rc=$?" >> "$log"
+      cat "$out/moe.md" 2>/dev/null ;;
     serve)
       transport=engine; python3 -c 'import fastapi, uvicorn, prometheus_client, httpx' 2>/dev/null \
         && transport=http
