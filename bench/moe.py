@@ -1,6 +1,7 @@
 """H200 benchmark of the MoE routed experts (issue 49): ours (pallas_kernels.moe_experts_default)
-against vLLM 0.33.0's pure-Triton fused MoE (``fused_moe_kernel``) and the runner's XLA path
-(jax_msa_runner.model.routed_experts_partial, two ragged_dots), all timed as GPU work.
+against vLLM 0.33.0's pure-Triton fused MoE (``fused_moe_kernel``) and XLA's grouped matmuls
+(pallas_kernels.moe_experts.moe_experts_xla, the runner's MoE before the kernels: two
+ragged_dots), all timed as GPU work.
 
 Shapes, per rank of EP8 (MiniMax-M3): 16 local experts (global ids 0..15 of 128: rank 0), hidden
 H = 6144, intermediate I = 3072, top-4 routing; B tokens in 1/16/64/256 (decode) and
@@ -10,7 +11,7 @@ happens 58% of the time, and would time an empty call); weights uniform in [0.1,
 unmasked; random bf16 x; expert weights N(0, 1/fan_in). Weight formats:
   * bf16: both sides (and XLA);
   * MXFP8 (E8M0 scale per 32 inputs): ours (and XLA, which dequantizes to bf16 inside the
-    call as model.moe_mlp does); vLLM has no MXFP8 path in its Triton fused MoE;
+    call); vLLM has no MXFP8 path in its Triton fused MoE;
   * fp8 block128 (f32 scale per 128 x 128 block): ours is weight-only (bf16 activations,
     fp8 weights dequantized in registers); vLLM's is w8a8 (it quantizes the activations to
     e4m3 too, a scale per 128 inputs of a token; block_shape [128, 128]), so its output differs
@@ -26,7 +27,7 @@ On the same device buffers (DLPack), in one process:
     vLLM's CUDA helpers are stand-ins of ours (tools/vllm_compare/vllm_ops.py: torch
     moe_align_block_size, Triton activation / moe_sum / fp8 quantization), so "vLLM" is also
     timed as its two fused_moe_kernel launches alone ("GEMMs"), a lower bound of its time;
-  * XLA: ``routed_experts_partial`` jitted;
+  * XLA: ``moe_experts_xla`` jitted;
   * the copy bandwidth and the bf16 matmul rate (XLA's GEMM, [8192]^2) in the same process.
 Before timing: ours against the jnp reference ``moe_experts_reference`` and vLLM against ours at
 every shape (relative L2), vLLM against the reference at B = 16 per format first (a failure
@@ -70,9 +71,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from _common import FLUSH_BYTES, geomean, rel_l2, time_jax, timer_description  # noqa: E402
-from jax_msa_runner.model import expert_weights, routed_experts_partial  # noqa: E402
 from pallas_kernels.fp8_matmul import BLOCK, MX_GROUP, quantize_block128, quantize_mxfp8  # noqa: E402,E501
-from pallas_kernels.moe_experts import check_moe_inputs, moe_experts_reference  # noqa: E402
+from pallas_kernels.moe_experts import (check_moe_inputs, moe_experts_reference,  # noqa: E402
+                                        moe_experts_xla)
 from pallas_kernels.moe_experts_default import (moe_experts_backend,  # noqa: E402
                                                 moe_experts_default)
 from pallas_kernels.moe_experts_mgpu import make_decode_config, make_prefill_config  # noqa: E402
@@ -228,11 +229,10 @@ def our_prefill_kernel(a: dict, w: tuple):
 
 
 def xla_moe(a: dict, w: tuple):
-    """The runner's path (model.moe_mlp): fp8 experts dequantized to bf16 in the call, then
-    routed_experts_partial (argsort + two ragged_dots); f32 [T, H]."""
-    gu, dn = (expert_weights(v, jnp.bfloat16) for v in w)
-    return routed_experts_partial(a["x"], a["weights"], a["experts"], a["mask"], gu, dn, ALPHA,
-                                  LIMIT, first_expert=0)
+    """XLA's grouped matmuls (moe_experts_xla: fp8 experts dequantized to bf16 in the call,
+    argsort + two ragged_dots); f32 [T, H]."""
+    return moe_experts_xla(a["x"], a["weights"], a["experts"], a["mask"], *w, alpha=ALPHA,
+                           limit=LIMIT, first_expert=0)
 
 
 def reference_moe(a: dict, w: tuple):
