@@ -23,6 +23,7 @@ shared by every layer of that kind. ``jax.eval_shape`` of it gives the abstract 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -90,8 +91,28 @@ def _to_fp8(w: jax.Array) -> Fp8Weight:
     return quantize_mxfp8(jnp.swapaxes(w.astype(jnp.float32), -1, -2))
 
 
-def _quantized(layer: dict) -> dict:
-    return {k: (_to_fp8(v) if k in FP8_PARAMS else v) for k, v in layer.items()}
+def _layer(seed: jax.Array, *, config: ModelConfig, kind: tuple[bool, bool], num_local: int,
+           weights: str) -> dict:
+    """One layer of ``kind`` from ``seed`` (traced): ``init_params``' layer with the router
+    over every expert, the first ``num_local`` experts, quantized with ``weights="fp8"``."""
+    c = config
+    layer = dict(init_params(_kind_config(c, [kind], num_local), seed)["layers"][0])
+    if kind[1]:  # the router over every expert; the rank holds the first num_local
+        k1, k2 = jax.random.split(jax.random.fold_in(jax.random.key(seed), 1))
+        layer["router"] = jax.random.normal(k1, (c.hidden_size, c.num_experts),
+                                            jnp.float32) / math.sqrt(c.hidden_size)
+        if c.use_routing_bias:
+            layer["router_bias"] = 0.1 * jax.random.normal(k2, (c.num_experts,), jnp.float32)
+    if weights == "fp8":
+        layer = {k: (_to_fp8(v) if k in FP8_PARAMS else v) for k, v in layer.items()}
+    return layer
+
+
+def _top(seed: jax.Array, *, config: ModelConfig, kind: tuple[bool, bool],
+         num_local: int) -> dict:
+    """The embedding, final norm and LM head from ``seed`` (traced)."""
+    params = init_params(_kind_config(config, [kind], num_local), seed)
+    return {k: v for k, v in params.items() if k != "layers"}
 
 
 def rank_params(config: ModelConfig, *, num_local_experts: int, weights: str = "bf16",
@@ -102,32 +123,28 @@ def rank_params(config: ModelConfig, *, num_local_experts: int, weights: str = "
     [El, I, H]; as Fp8Weight values [El, 2I, H] / [El, H, I] with ``weights="fp8"``) and the
     router over all experts (router [H, E] f32, router_bias [E] f32). ``layer_weights``:
     "distinct" (every layer its own arrays) or "shared" (one set per layer kind, the same
-    arrays in every layer of that kind: ``params["layers"]`` repeats them).
+    arrays in every layer of that kind: ``params["layers"]`` repeats them). Each layer kind's
+    builder is one jitted function (compiled once, its temporaries freed per layer).
     Returns the ``model.init_params`` pytree.
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights: one of {WEIGHT_FORMATS}, got {weights!r}")
     if layer_weights not in LAYER_WEIGHTS:
         raise ValueError(f"layer_weights: one of {LAYER_WEIGHTS}, got {layer_weights!r}")
-    c = config
-    kinds = list(layer_kinds(c))
-    built = kinds if layer_weights == "distinct" else sorted(set(kinds), key=kinds.index)
-    base = init_params(_kind_config(c, built, num_local_experts), seed)
-    keys = jax.random.split(jax.random.key(seed + 1), len(built))
-    layers = []
-    for key, layer, (_, moe) in zip(keys, base["layers"], built):
-        layer = dict(layer)
-        if moe:  # the router over every expert; the rank holds the first num_local_experts
-            k1, k2 = jax.random.split(key)
-            layer["router"] = jax.random.normal(k1, (c.hidden_size, c.num_experts),
-                                                jnp.float32) / math.sqrt(c.hidden_size)
-            if c.use_routing_bias:
-                layer["router_bias"] = 0.1 * jax.random.normal(k2, (c.num_experts,),
-                                                               jnp.float32)
-        layers.append(_quantized(layer) if weights == "fp8" else layer)
+    kinds = layer_kinds(config)
+    build = {kind: jax.jit(functools.partial(_layer, config=config, kind=kind,
+                                             num_local=num_local_experts, weights=weights))
+             for kind in dict.fromkeys(kinds)}
+    seeds = [jnp.int32(seed + 1 + i) for i in range(len(kinds))]
     if layer_weights == "shared":
-        layers = [layers[built.index(kind)] for kind in kinds]
-    return {**base, "layers": tuple(layers)}
+        one = {kind: build[kind](seeds[kinds.index(kind)]) for kind in build}
+        layers = [one[kind] for kind in kinds]
+    else:
+        layers = [build[kind](s) for kind, s in zip(kinds, seeds)]
+    top = jax.jit(functools.partial(_top, config=config, kind=kinds[0],
+                                    num_local=num_local_experts))(jnp.int32(seed))
+    return {"embed": top["embed"], "layers": tuple(layers), "final_norm": top["final_norm"],
+            **({"lm_head": top["lm_head"]} if "lm_head" in top else {})}
 
 
 def abstract_rank_params(config: ModelConfig, *, num_local_experts: int,
