@@ -337,7 +337,7 @@ def measure_point(runner: ModelRunner, point: Point, mc: ModelConfig, *, pages: 
         ttft_ms = statistics.median(walls) * 1e3
         roof = {k: sum(roofline(c, copy_Bps, flops_per_s)[k] for c in costs)
                 for k in ("bytes", "flops", "memory_ms", "compute_ms", "ms")}
-        roof["bound"] = "per chunk"
+        roof["bound"] = "chunks summed"
         return {"name": point.name, "kind": point.kind, "batch": 1, "context": point.context,
                 "tokens": point.tokens, "chunks": len(batches), "ttft_ms": ttft_ms,
                 "step_ms": ttft_ms, "samples_ms": [w * 1e3 for w in walls], **split,
@@ -397,18 +397,18 @@ def table(rows: list[dict]) -> str:
 
 def markdown(result: dict) -> str:
     c = result["config"]
-    out = [f"# bench/step.py{' (DRY RUN: tiny model on ' + result['meta']['backend'] + ', no claims)' if result['dry_run'] else ''}",
-           "",
+    dry = f" (DRY RUN: tiny model on {result['meta']['backend']}, no claims)"
+    out = [f"# bench/step.py{dry if result['dry_run'] else ''}", "",
            f"{result['meta']['date']}, {result['meta']['device']}, jax {result['meta']['jax']}. "
            f"One rank of TP{c['tp']} x EP{c['ep']}: {c['layers']} layers ({c['msa_layers']} MSA, "
            f"{c['moe_layers']} MoE), heads {c['heads']}, {c['local_experts']} of "
            f"{c['num_experts']} experts, {c['weights']} weights, layer weights {c['layer_weights']}"
            f" ({c['param_gib']:.2f} GiB held; {c['weights_note']}), attention "
            f"{c['attention_impl']}, command buffers {c['command_buffers']}.",
-           f"Copy {result['copy']['copy_Bps'] / 1e12:.3f} TB/s, matmul "
-           f"{result['matmul']['flops_per_s'] / 1e12:.1f} TFLOP/s (measured in this run). "
+           f"Copy {result['copy']['copy_Bps'] / 1e12:.3g} TB/s, matmul "
+           f"{result['matmul']['flops_per_s'] / 1e12:.3g} TFLOP/s (measured in this run). "
            f"Times in ms; the split is the profiled device time per step by op family; host gap"
-           f" = step - device.", "", table(result["rows"]), ""]
+           f" = step - device; the ttft row sums its chunks.", "", table(result["rows"]), ""]
     for r in result["rows"]:
         if r["kind"] == "ttft":
             out.append(f"TTFT of a {r['context']}-token prompt ({r['chunks']} chunks of "
@@ -417,6 +417,14 @@ def markdown(result: dict) -> str:
     for s in result["skipped"]:
         out.append(f"- skipped {s['point']}: {s['why']}")
     return "\n".join(out) + "\n"
+
+
+def write_markdown(out_dir: str, result: dict) -> str:
+    """``markdown(result)`` written to ``out_dir``/step.md; returns it."""
+    md = markdown(result)
+    with open(os.path.join(out_dir, "step.md"), "w") as f:
+        f.write(md)
+    return md
 
 
 # --------------------------------------------------------------------------- main
@@ -578,6 +586,7 @@ def main(argv=None) -> int:
                       f"{row['host_gap_ms']:8.3f} {row['roofline']['ms']:8.3f} "
                       f"{row['pct_roofline']:5.1f}%", flush=True)
                 _common.write_json(json_path, result)
+                write_markdown(args.out, result)  # kept current should a timeout end the run
         except Exception as e:  # noqa: BLE001 - an OOM or a failed compile: record, go on
             if args.dry_run:
                 raise
@@ -590,10 +599,7 @@ def main(argv=None) -> int:
             gc.collect()
     result["wall_s"] = time.perf_counter() - t_start
     _common.write_json(json_path, result)
-    md = markdown(result)
-    with open(os.path.join(args.out, "step.md"), "w") as f:
-        f.write(md)
-    print(md)
+    print(write_markdown(args.out, result))
     return 0
 
 
