@@ -30,6 +30,9 @@
 - Arguments (``add_common_args``, ``positive_int``), ``write_json`` (adds date, device,
   jax version), ``copy_bandwidth`` (the roofline), ``matmul_peak`` (the measured bf16 GEMM
   rate), ``hlo_kernel_count``, ``rel_l2``.
+- Profiles: ``profile_op_events`` (the XLA op events of ``jax.profiler.trace`` around a
+  callable, from its ``*.trace.json.gz``) and ``hlo_ops`` (each HLO instruction's opcode and
+  ``op_name`` metadata, which carries the ``jax.named_scope`` path).
 """
 from __future__ import annotations
 
@@ -39,11 +42,14 @@ import dataclasses
 import datetime
 import functools
 import gc
+import glob
+import gzip
 import json
 import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from typing import Mapping
@@ -389,6 +395,94 @@ def matmul_peak(n: int = 8192, *, reps: int = 10, trials: int = 3) -> dict:
                       f"{timer_description('warm', reps)}, best of {trials}"}
 
 
+# --------------------------------------------------------------------------- profiles
+
+# lines of a device's trace that XLA's profiler derives from the kernels (counted twice if read)
+_DERIVED_LINES = frozenset({"XLA Modules", "XLA Ops", "XLA TraceMe", "TensorFlow Ops",
+                            "TensorFlow Name Scope", "Framework Ops", "Framework Name Scope",
+                            "Source code", "Steps", "Launch Stats"})
+
+
+def trace_op_events(log_dir: str) -> list[dict]:
+    """The XLA op events in the ``*.trace.json.gz`` files under ``log_dir``:
+    ``{"module", "op", "us", "device"}`` each (``us``: the event's duration).
+
+    With a device in the trace (a GPU), the events of its streams: kernels and copies, named
+    by their ``hlo_op`` / ``hlo_module`` args (None for events without, e.g. memcpys), the
+    derived lines (``XLA Ops``, ...) left out. Without one (XLA:CPU), the host threads'
+    events that carry ``hlo_op``: the CPU backend's thunks, which may overlap on its threads.
+    """
+    events, device = [], False
+    for path in sorted(glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)):
+        with gzip.open(path, "rt") as f:
+            doc = json.load(f)
+        evs = doc["traceEvents"] if isinstance(doc, dict) else doc
+        pids = {e["pid"]: e["args"]["name"] for e in evs
+                if e.get("ph") == "M" and e.get("name") == "process_name"}
+        tids = {(e["pid"], e.get("tid")): e["args"]["name"] for e in evs
+                if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        for e in evs:
+            if e.get("ph") != "X":
+                continue
+            args = e.get("args") or {}
+            on_device = str(pids.get(e["pid"], "")).startswith("/device:")
+            line = str(tids.get((e["pid"], e.get("tid")), ""))
+            if on_device and line in _DERIVED_LINES:
+                continue
+            if not on_device and "hlo_op" not in args:
+                continue
+            device |= on_device
+            events.append({"module": args.get("hlo_module"), "op": args.get("hlo_op"),
+                           "us": float(e.get("dur", 0.0)), "device": on_device,
+                           "name": e.get("name")})
+    return [e for e in events if e["device"] == device]
+
+
+def profile_op_events(fn, *, calls: int) -> list[dict]:
+    """``trace_op_events`` of ``calls`` calls of ``fn()`` inside ``jax.profiler.trace`` (a
+    temporary directory). ``fn`` must block until its device work is done."""
+    with tempfile.TemporaryDirectory(prefix="jax_trace_") as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                fn()
+        return trace_op_events(d)
+
+
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+
+
+def hlo_ops(hlo_text: str) -> tuple[str, dict[str, dict[str, str]]]:
+    """(module name, {instruction name: {"op_name", "opcode"}}) of an optimised HLO module's
+    text (``compiled.as_text()``), every computation's instructions included. An instruction
+    without ``op_name`` metadata (a fusion, usually) takes its called computation's ROOT's,
+    else the first found in that computation, else ""."""
+    module = re.search(r"^HloModule\s+([\w.\-]+)", hlo_text, re.M)
+    ops, calls, root, first = {}, {}, {}, {}
+    comp = None
+    for line in hlo_text.splitlines():
+        m = _HEADER.match(line)
+        if m and not line.startswith(" "):
+            comp = m.group(2)
+            continue
+        m = _HLO_INSTR.match(line)
+        if comp is None or m is None:
+            continue
+        name, op, c = m.group(1), _OP_NAME.search(line), _CALLS.search(line)
+        ops[name] = {"op_name": op.group(1) if op else "", "opcode": _opcode(line[m.end():])}
+        if op:
+            first.setdefault(comp, op.group(1))
+            if line.lstrip().startswith("ROOT"):
+                root[comp] = op.group(1)
+        if c:
+            calls[name] = c.group(1)
+    for name, comp in calls.items():
+        if not ops[name]["op_name"]:
+            ops[name]["op_name"] = root.get(comp, first.get(comp, ""))
+    return (module.group(1) if module else ""), ops
+
+
 # --------------------------------------------------------------------------- kernel count
 
 _FREE_OPCODES = frozenset({
@@ -494,6 +588,21 @@ def geomean(xs) -> float:
 
 positive_int = bounded_int(1)  # argparse type: an integer >= 1 (the error names the bound)
 non_negative_int = bounded_int(0)  # argparse type: an integer >= 0
+
+
+def int_list(lo: int = 1):
+    """argparse ``type=``: a comma-separated list of integers, each >= ``lo`` (a tuple)."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers, got {text!r}") from None
+        bad = [v for v in vals if v < lo]
+        if bad:
+            raise argparse.ArgumentTypeError(f"every value must be >= {lo}, got {bad[0]}")
+        return vals
+    return parse
 
 
 def add_common_args(p: argparse.ArgumentParser, *, reps: int, trials: int,

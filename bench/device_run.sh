@@ -11,11 +11,14 @@
 #   dense    bench/dense_attention.py: dense paged attention vs vLLM 0.33.0's unified_attention (carry .vllm_ops)
 #   moe      bench/moe.py: the MoE routed experts vs vLLM 0.33.0's fused_moe_kernel and XLA (issue 49; carry .vllm_ops)
 #   serve    bench/serve_load.py: the OpenAI server under load (carry .whl with FastAPI/uvicorn wheels)
+#   step     bench/step.py: one rank's whole serving step (60 layers, TP4 x EP8 shapes), split by op family
 # FLAGS after `--` go to every bench script of the call. $OUT gets one PART.log per part plus each
 # script's own files. TEST_TIMEOUT_S bounds the tests (default 200 s), KERNELS_BUDGET_S the
 # shapes bench/kernels.py starts (default 380 s less the time already spent), DENSE_BUDGET_S those
 # bench/dense_attention.py starts (default 420 s less the time already spent), MOE_BUDGET_S those
-# bench/moe.py starts (default 420 s less the time already spent).
+# bench/moe.py starts (the same default), STEP_BUDGET_S the points bench/step.py starts (the same
+# default; a point started before it may still compile and run: the part's timeout allows 150 s
+# more).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts=(); flags=()
@@ -25,8 +28,8 @@ while (($#)); do
 done
 ((${#parts[@]})) || parts=(tests kernels)
 for p in "${parts[@]}"; do
-  [[ $p =~ ^(tests|kernels|compare|prefill|layer|fp8|dense|moe|serve)$ ]] || {
-    echo "device_run.sh: unknown part '$p' (tests kernels compare prefill layer fp8 dense moe serve)" >&2; exit 2; }
+  [[ $p =~ ^(tests|kernels|compare|prefill|layer|fp8|dense|moe|serve|step)$ ]] || {
+    echo "device_run.sh: unknown part '$p' (tests kernels compare prefill layer fp8 dense moe serve step)" >&2; exit 2; }
 done
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -91,6 +94,12 @@ for p in "${parts[@]}"; do
       timeout "${SERVE_TIMEOUT_S:-300}" python3 bench/serve_load.py --out "$out" \
         --transport $transport "${flags[@]}" > "$log" 2>&1
       echo "serve_load.py (transport $transport) rc=$?" >> "$log" ;;
+    step)
+      budget=$(( ${STEP_BUDGET_S:-420} - SECONDS )); (( budget < 60 )) && budget=60
+      timeout $(( budget + 150 )) python3 bench/step.py --out "$out" --budget-s "$budget" \
+        "${flags[@]}" > "$log" 2>&1
+      echo "step.py rc=$?" >> "$log"
+      cat "$out/step.md" 2>/dev/null ;;
   esac
   echo "== $p: $(( SECONDS - start )) s"; tail -n 25 "$log"
 done

@@ -26,6 +26,12 @@ shard_map over ``attention.parallel``'s 3-D mesh on this rank's param and cache 
 (heads, intermediate sizes, experts and vocabulary split as that module describes); the
 partial results are summed with its collectives (``tensor_psum``, ``moe_psum``,
 ``vocab_embed``, ``gather_vocab``), every rank ending with the same hidden states.
+
+Op families for profiles (``bench/step.py``): the layer functions wrap their parts in
+``jax.named_scope`` ("projections": the attention and index linears; "norms": the RMSNorms,
+with the RoPE of q/k and the index q/k; "attention_dense" / "attention_msa": cache writes and
+attention; "moe"; "dense_mlp"; "lm_head"), which the compiled HLO's ``op_name`` metadata
+carries. Scopes change no computation.
 """
 from __future__ import annotations
 
@@ -255,28 +261,37 @@ def _attention_block(layer: dict, x: jax.Array, kv_cache: jax.Array, index_cache
                      attention_mode: str, dcp_world_size: int, interpret: bool):
     c = config
     T = x.shape[0]
-    q = linear(x, layer["q_proj"]).reshape(T, c.num_heads, c.head_dim)
-    k = linear(x, layer["k_proj"]).reshape(T, c.num_kv_heads, c.head_dim)
-    v = linear(x, layer["v_proj"]).reshape(T, c.num_kv_heads, c.head_dim)
-    q = apply_partial_rope(gemma_rms_norm(q, layer["q_norm"], c.rms_norm_eps), cos, sin)
-    k = apply_partial_rope(gemma_rms_norm(k, layer["k_norm"], c.rms_norm_eps), cos, sin)
+    with jax.named_scope("projections"):
+        q = linear(x, layer["q_proj"]).reshape(T, c.num_heads, c.head_dim)
+        k = linear(x, layer["k_proj"]).reshape(T, c.num_kv_heads, c.head_dim)
+        v = linear(x, layer["v_proj"]).reshape(T, c.num_kv_heads, c.head_dim)
+    with jax.named_scope("norms"):
+        q = apply_partial_rope(gemma_rms_norm(q, layer["q_norm"], c.rms_norm_eps), cos, sin)
+        k = apply_partial_rope(gemma_rms_norm(k, layer["k_norm"], c.rms_norm_eps), cos, sin)
     if is_msa:
-        iq = linear(x, layer["index_q_proj"]).reshape(T, c.num_index_heads, c.index_dim)
-        ik = linear(x, layer["index_k_proj"]).reshape(T, 1, c.index_dim)
-        iq = apply_partial_rope(gemma_rms_norm(iq, layer["index_q_norm"], c.rms_norm_eps), cos, sin)
-        ik = apply_partial_rope(gemma_rms_norm(ik, layer["index_k_norm"], c.rms_norm_eps), cos, sin)
-        kv_cache, index_cache = write_layer_caches(kv_cache, index_cache, k, v, ik[:, 0], md,
-                                                   dcp_world_size=dcp_world_size)
-        attn = msa_layer_attention(q, iq, kv_cache, index_cache, md, scale=c.scale,
-                                   attention_impl=attention_impl, attention_mode=attention_mode,
-                                   init_blocks=c.init_blocks, local_blocks=c.local_blocks,
-                                   dcp_world_size=dcp_world_size, interpret=interpret)
+        with jax.named_scope("projections"):
+            iq = linear(x, layer["index_q_proj"]).reshape(T, c.num_index_heads, c.index_dim)
+            ik = linear(x, layer["index_k_proj"]).reshape(T, 1, c.index_dim)
+        with jax.named_scope("norms"):
+            iq = apply_partial_rope(gemma_rms_norm(iq, layer["index_q_norm"], c.rms_norm_eps),
+                                    cos, sin)
+            ik = apply_partial_rope(gemma_rms_norm(ik, layer["index_k_norm"], c.rms_norm_eps),
+                                    cos, sin)
+        with jax.named_scope("attention_msa"):
+            kv_cache, index_cache = write_layer_caches(kv_cache, index_cache, k, v, ik[:, 0], md,
+                                                       dcp_world_size=dcp_world_size)
+            attn = msa_layer_attention(q, iq, kv_cache, index_cache, md, scale=c.scale,
+                                       attention_impl=attention_impl, attention_mode=attention_mode,
+                                       init_blocks=c.init_blocks, local_blocks=c.local_blocks,
+                                       dcp_world_size=dcp_world_size, interpret=interpret)
     else:
-        kv_cache, _ = write_layer_caches(kv_cache, None, k, v, None, md,
+        with jax.named_scope("attention_dense"):
+            kv_cache, _ = write_layer_caches(kv_cache, None, k, v, None, md,
+                                             dcp_world_size=dcp_world_size)
+            attn = dense_layer_attention(q, kv_cache, md, scale=c.scale,
                                          dcp_world_size=dcp_world_size)
-        attn = dense_layer_attention(q, kv_cache, md, scale=c.scale,
-                                     dcp_world_size=dcp_world_size)
-    out = linear(attn.reshape(T, c.num_heads * c.head_dim), layer["o_proj"])
+    with jax.named_scope("projections"):
+        out = linear(attn.reshape(T, c.num_heads * c.head_dim), layer["o_proj"])
     return out, kv_cache, index_cache  # under TP: this rank's heads' partial sum
 
 
@@ -295,23 +310,28 @@ def forward_with_routing(params: dict, caches: KVCaches, token_ids: jax.Array,
     new_kv, new_idx, routing = [], [], []
     for i, (layer, is_msa, is_moe) in enumerate(zip(params["layers"], c.layer_is_msa,
                                                      c.layer_is_moe)):
-        h = gemma_rms_norm(x, layer["input_norm"], c.rms_norm_eps)
+        with jax.named_scope("norms"):
+            h = gemma_rms_norm(x, layer["input_norm"], c.rms_norm_eps)
         attn, kv_i, idx_i = _attention_block(layer, h, caches.kv[i], caches.index_k[i], md, cos, sin,
                                              config=ac, is_msa=is_msa, attention_impl=attention_impl,
                                              attention_mode=attention_mode,
                                              dcp_world_size=dcp_world_size, interpret=interpret)
         x = x + tensor_psum(attn, tp_size)
-        h = gemma_rms_norm(x, layer["post_attention_norm"], c.rms_norm_eps)
+        with jax.named_scope("norms"):
+            h = gemma_rms_norm(x, layer["post_attention_norm"], c.rms_norm_eps)
         if is_moe:
-            mlp, chosen = moe_mlp(layer, h, md.token_mask, c, tp_size, ep_size)
+            with jax.named_scope("moe"):
+                mlp, chosen = moe_mlp(layer, h, md.token_mask, c, tp_size, ep_size)
         else:
-            mlp, chosen = tensor_psum(dense_mlp(h, layer["gate_up_proj"], layer["down_proj"],
-                                                c.swiglu_alpha, c.swiglu_limit), tp_size), None
+            with jax.named_scope("dense_mlp"):
+                mlp, chosen = tensor_psum(dense_mlp(h, layer["gate_up_proj"], layer["down_proj"],
+                                                    c.swiglu_alpha, c.swiglu_limit), tp_size), None
         x = x + mlp
         new_kv.append(kv_i)
         new_idx.append(idx_i)
         routing.append(chosen)
-    x = gemma_rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    with jax.named_scope("norms"):
+        x = gemma_rms_norm(x, params["final_norm"], c.rms_norm_eps)
     return x, KVCaches(kv=tuple(new_kv), index_k=tuple(new_idx)), tuple(routing)
 
 
@@ -343,4 +363,6 @@ def compute_logits(params: dict, hidden: jax.Array, config: ModelConfig,
     """LM head: hidden [..., hidden] -> logits [..., vocab] in f32 (under TP: this rank's
     vocab slice, then all-gathered)."""
     w = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    return gather_vocab((hidden @ w).astype(jnp.float32), tp_size)
+    with jax.named_scope("lm_head"):
+        local = hidden @ w
+    return gather_vocab(local.astype(jnp.float32), tp_size)

@@ -14,7 +14,7 @@ import re
 from typing import Any, Callable
 
 import jax
-from jax.sharding import AbstractDevice, AbstractMesh
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CUSTOM_CALL = "@mosaic_gpu"
@@ -25,10 +25,12 @@ def lower_for_cuda(fn: Callable[..., Any], *args: Any, device_kind: str = H200[0
                    num_cores: int = H200[1], **kwargs: Any) -> str:
     """Lowers `fn(*args, **kwargs)` for CUDA on an abstract `device_kind` device.
 
-    `kwargs` are bound as static (closed-over) arguments. Returns the StableHLO text;
+    The mesh's one axis is Auto (an Explicit axis needs sharding rules that some primitives,
+    e.g. ``ragged_dot``, lack). `kwargs` are bound as static (closed-over) arguments. Returns
+    the StableHLO text;
     raises whatever the Pallas Triton lowering raises.
     """
-    mesh = AbstractMesh((1,), ("x",),
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
                         abstract_device=AbstractDevice(device_kind, num_cores, "cuda"))
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower(
@@ -65,3 +67,58 @@ def custom_call_counts(hlo_text: str) -> dict[str, int]:
                 else "triton" if TRITON_CUSTOM_CALL in line else "other")
         counts[kind] += 1
     return counts
+
+
+_FUNC = re.compile(r"^\s*func\.func\s+(?:public|private)?\s*@([\w$.\-]+)\(")
+_CALL = re.compile(r"\b(?:func\.)?call @([\w$.\-]+)\(")
+
+
+def _kind(line: str) -> str | None:
+    if "stablehlo.custom_call" in line:
+        return ("mosaic" if MOSAIC_CUSTOM_CALL in line
+                else "triton" if TRITON_CUSTOM_CALL in line else "other")
+    if "ragged_dot" in line and re.search(r'"?\b(?:chlo|stablehlo)\.ragged_dot\b', line):
+        return "ragged_dot"
+    return None
+
+
+def call_site_counts(hlo_text: str, entry: str = "main") -> dict[str, int]:
+    """Like :func:`custom_call_counts`, but per execution of ``entry``: a kernel inside a
+    private function counts once per call of that function (jitted helpers such as the
+    attention entry points are lowered once and called from every layer). Also counts
+    ``ragged_dot`` ops. Both branches of a conditional and a loop body count once.
+    Returns ``{"mosaic", "triton", "other", "ragged_dot"}``."""
+    funcs: dict[str, tuple[dict[str, int], list[str]]] = {}
+    name = None
+    for line in hlo_text.splitlines():
+        m = _FUNC.match(line)
+        if m:
+            name = m.group(1)
+            funcs[name] = ({}, [])
+            continue
+        if name is None:
+            continue
+        own, calls = funcs[name]
+        kind = _kind(line)
+        if kind:
+            own[kind] = own.get(kind, 0) + 1
+        calls += _CALL.findall(line)
+    if entry not in funcs:
+        raise ValueError(f"hlo_text: no function @{entry}")
+    memo: dict[str, dict[str, int]] = {}
+
+    def total(fn: str, stack: tuple = ()) -> dict[str, int]:
+        if fn in memo:
+            return memo[fn]
+        if fn in stack or fn not in funcs:
+            return {}
+        own, calls = funcs[fn]
+        out = dict(own)
+        for callee in calls:
+            for k, v in total(callee, stack + (fn,)).items():
+                out[k] = out.get(k, 0) + v
+        memo[fn] = out
+        return out
+
+    counts = total(entry)
+    return {k: counts.get(k, 0) for k in ("mosaic", "triton", "other", "ragged_dot")}

@@ -60,7 +60,7 @@ BAD_FLAGS = [
     # the top level
     (["--bogus"], T + "unrecognized arguments: --bogus"),
     (["demo", "--bogus", "3"], T + "unrecognized arguments: --bogus 3"),
-    ([], T + "a command is required: demo, serve, buckets or logits"),
+    ([], T + "a command is required: demo, serve, buckets, logits or lower"),
     (["compare"], T + "argument command: invalid choice: 'compare'"),
 ]
 

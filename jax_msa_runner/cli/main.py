@@ -3,6 +3,7 @@
 - demo: the tiny default model serves a synthetic workload (jax_msa_runner.cli.demo).
 - buckets: stages every bucket of the default RunnerConfig with each dummy kind and
   validates it (the metadata table).
+- lower: the StableHLO of one forward step for an abstract H200 (jax_msa_runner.cli.lower).
 
 Every flag is checked before any work starts: a bad value exits with status 2 and one line
 on stderr naming the flag and its bound.
@@ -91,7 +92,12 @@ def build_parser() -> tuple[FlagParser, dict[str, FlagParser]]:
         "serve", help="OpenAI-compatible HTTP server (tiny model)"))
     from jax_msa_runner.cli.logits import add_logits_args
     logits = add_logits_args(sub.add_parser("logits", help="full-prompt logits of a checkpoint"))
-    return parser, {"demo": demo, "buckets": buckets, "serve": serve, "logits": logits}
+    from jax_msa_runner.cli.lower import __doc__ as lower_doc, add_lower_args
+    lower = add_lower_args(sub.add_parser(
+        "lower", help="StableHLO of one forward step for an abstract H200 (no GPU)",
+        description=lower_doc, formatter_class=argparse.RawDescriptionHelpFormatter))
+    return parser, {"demo": demo, "buckets": buckets, "serve": serve, "logits": logits,
+                    "lower": lower}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.error("a command is required: demo, serve, buckets or logits")
+        parser.error("a command is required: demo, serve, buckets, logits or lower")
     if args.command == "demo":
         return run_demo_command(commands["demo"], args)
     if args.command == "serve":
@@ -110,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "logits":
         from jax_msa_runner.cli.logits import run_logits
         return run_logits(args)
+    if args.command == "lower":
+        from jax_msa_runner.cli.lower import run_lower
+        return run_lower(commands["lower"], args)
     return run_buckets(args)
 
 
