@@ -30,6 +30,10 @@ import numpy as np
 from jax_msa_runner.config import PAGE_SIZE, RESERVED_PAGES, ModelConfig, require
 
 
+class OutOfPagesError(RuntimeError):
+    """The pool has fewer free (or evictable) pages than requested."""
+
+
 class PageRefError(RuntimeError):
     """The pool's ref counts or states disagree with the block tables; names the page."""
 
@@ -106,12 +110,13 @@ class PagePool:
     # ---- pages -------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` pages at ref count 1: free pages lowest id first, then the least recently
-        released cached pages (their keys dropped). Raises ValueError (taking nothing) when
-        n < 0 or fewer than n can be handed out."""
+        released cached pages (their keys dropped). Raises ValueError when n < 0 and
+        OutOfPagesError (taking nothing) when fewer than n can be handed out."""
         if n < 0:
             raise ValueError(f"n: must be >= 0, got {n}")
         if n > self.num_free:
-            raise ValueError(f"n: requested {n} pages, {self.num_free} free of {self.num_usable}")
+            raise OutOfPagesError(f"requested {n} pages, {self.num_free} free of "
+                                  f"{self.num_usable}")
         pages = []
         for _ in range(n):
             if self._free:

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_msa_runner.config import ModelConfig
-from jax_msa_runner.serving.prefix_cache import (PagePool, PageRefError, cache_identity,
-                                                 chain_keys)
+from jax_msa_runner.serving.prefix_cache import (OutOfPagesError, PagePool, PageRefError,
+                                                 cache_identity, chain_keys)
 from jax_msa_runner.serving.sampling import SamplingParams
 from jax_msa_runner.serving.scheduler import Request, Scheduler, SchedulerConfig, Status
 
@@ -94,7 +94,7 @@ def test_pool_shares_keyed_pages_and_evicts_only_ref0_least_recent_first():
     assert pool.lookup([b"k0", b"k1", b"k2"]) == [2, 3]
     assert pool.allocate(1) == [3] and pool.lookup([b"k0", b"k1"]) == [2]
     pool.acquire([2])
-    with pytest.raises(ValueError, match="n: requested 1 pages, 0 free of 6"):
+    with pytest.raises(OutOfPagesError, match="requested 1 pages, 0 free of 6"):
         pool.allocate(1)  # page 2 is held: never evicted
     pool.check([c, [3], [2]])
 
