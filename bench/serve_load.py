@@ -25,12 +25,16 @@ histogram buckets), also as a share of the level's wall time.
 sends the whole history (turn 1's prompt: ``--turn-len`` random tokens; each later turn:
 the previous prompt, its ``--output-len`` generated tokens and ``--turn-len`` new ones), so
 its prompt grows by output-len + turn-len tokens a turn. It runs with the prefix cache on
-and off (``--prefix-caching``: on, off or both, one server each) and reports per turn: the
+and off (``--prefix-caching``: on, off or both; one server each over http, and over the
+engine a fresh engine per level and setting, the settings of a level back to back, so
+both see the same machine load) on the same conversations and reports per turn: the
 prompt length, TTFT p50/p99 over the conversations and the cached prompt tokens (the
 responses' ``usage.prompt_tokens_details.cached_tokens``).
 
     python3 bench/serve_load.py --out DIR --transport engine --workload multi-turn \
-        --attention-impl reference --concurrency 1,4 --turns 6    (the CPU run of record)
+        --attention-impl reference --num-layers 2 --concurrency 1,4 --turns 8 --turn-len 100 \
+        --output-len 16 --max-model-len 1024 --max-num-batched-tokens 256 --prompt-len 8,16 \
+        --requests-per-client 1                                   (the CPU run of record)
 """
 from __future__ import annotations
 
@@ -316,23 +320,24 @@ def summarize(concurrency, records, wall, before, after) -> dict:
 
 # ---- the two transports -----------------------------------------------------------------------
 
-async def drive(send, metrics, args, caching: bool) -> list[dict]:
-    """Every level of the workload through ``send`` (prompt -> Record); the conversations
-    and prompts depend only on --seed, so both cache settings see the same ones."""
-    rng = random.Random(args.seed)
-    await run_level(send, 2, args, rng)  # warm the path
-    levels = []
-    for c in args.levels:
+async def drive(send, metrics, args, caching: bool, levels=None) -> list[dict]:
+    """``levels`` (default: every --concurrency level) of the workload through ``send``
+    (prompt -> Record); the conversations and prompts depend only on --seed and the level,
+    so both cache settings see the same ones."""
+    await run_level(send, 2, args, random.Random(args.seed))  # warm the path
+    out = []
+    for c in levels or args.levels:
+        rng = random.Random(args.seed * 1000 + c)
         if args.workload == "multi-turn":
-            levels.append(summarize_turns(c, caching, await run_conversations(send, c, args,
-                                                                              rng)))
+            out.append(summarize_turns(c, caching, await run_conversations(send, c, args,
+                                                                           rng)))
         else:
             before = await metrics()
             recs, wall = await run_level(send, c, args, rng)
-            levels.append({**summarize(c, recs, wall, before, await metrics()),
-                           "prefix_caching": caching})
-        print(json.dumps(levels[-1]), flush=True)
-    return levels
+            out.append({**summarize(c, recs, wall, before, await metrics()),
+                        "prefix_caching": caching})
+        print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 async def bench_http(args) -> list[dict]:
@@ -397,17 +402,19 @@ async def bench_engine(args) -> list[dict]:
     rep = runner.warm_up()
     print(f"warm-up {rep.compile_seconds:.1f}s, {len(rep.buckets)} buckets", flush=True)
     levels = []
-    for caching in cache_modes(args):  # one engine per setting on the one runner
-        sconfig = SchedulerConfig.from_runner(rc, pages, enable_prefix_caching=caching)
-        engine = Engine(runner, sconfig, tokenizer, max_queue=max(args.levels) * 2 + 16).start()
-        try:
-            async def metrics():
-                return parse_prometheus(engine.metrics.render().decode())
+    for c in args.levels:  # each level with each setting back to back: the same machine load
+        for caching in cache_modes(args):  # a fresh engine (an empty cache) on the one runner
+            sconfig = SchedulerConfig.from_runner(rc, pages, enable_prefix_caching=caching)
+            engine = Engine(runner, sconfig, tokenizer,
+                            max_queue=max(args.levels) * 2 + 16).start()
+            try:
+                async def metrics():
+                    return parse_prometheus(engine.metrics.render().decode())
 
-            levels += await drive(lambda p: engine_request(engine, p, args), metrics, args,
-                                  caching)
-        finally:
-            engine.shutdown()
+                levels += await drive(lambda p: engine_request(engine, p, args), metrics,
+                                      args, caching, [c])
+            finally:
+                engine.shutdown()
     return levels
 
 

@@ -145,6 +145,34 @@ def test_repeat_maps_full_pages_and_computes_from_the_first_uncached_token(n, ca
     assert s.pool.num_held == 0 and s.pool.num_free == s.pool.num_usable
 
 
+def test_staged_metadata_counts_cached_pages_as_computed_context():
+    """The batch of a request that hit 11 cached pages stages (and validates) as a chunk
+    after 1408 computed tokens: positions, seq_lens, kv_lens, the indexer's valid pages and
+    the slots of the new tokens follow from num_computed, on pages after the cached ones."""
+    from jax_msa_runner.batch.staging import stage_batch
+    from jax_msa_runner.batch.validate import validate_metadata
+    from jax_msa_runner.config import RunnerConfig
+
+    rc = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=2048,
+                      bucket_sizes=(64,))
+    prompt = tuple(range(1500))
+    s = sched()
+    s.add_request(Request(0, prompt, 2))
+    run(s)
+    s.add_request(Request(1, prompt, 2))
+    b = s.schedule()
+    md = stage_batch(b.num_scheduled, b.num_computed, b.block_table, rc)
+    validate_metadata(md, rc)
+    pos = np.asarray(md.positions)[:64]
+    assert list(pos) == list(range(1408, 1472)) and int(md.seq_lens[0]) == 1472
+    assert list(np.asarray(md.kv_lens)[:64]) == list(range(1409, 1473))
+    assert set(np.asarray(md.num_valid_pages)[:64].tolist()) == {12}
+    table = np.asarray(md.block_table)[0]
+    assert list(np.asarray(md.slot_mapping)[:64]) == [int(table[11]) * 128 + i
+                                                      for i in range(64)]
+    assert int(table[11]) not in b.block_table[0][:11]  # written: a page of its own
+
+
 def test_cached_pages_are_the_first_requests_pages():
     prompt = tuple(range(400))
     s = sched(max_num_batched_tokens=512)  # one chunk: the first step holds all 4 pages
