@@ -8,7 +8,9 @@ With ``--checkpoint DIR`` it serves that Hugging Face folder (``checkpoint.load`
 Start-up: every flag is checked first (a bad one prints one line naming the flag and its
 bound and exits with status 2), the port is bound (a port in use fails here, before any
 compile), the runner compiles every bucket (warm-up), and only then does uvicorn accept
-requests. Routes: ``jax_msa_runner.serving.server``.
+requests. Routes: ``jax_msa_runner.serving.server``. Prefix caching is on unless
+``--no-prefix-caching``; ``--debug`` validates every step's metadata and the KV pages' ref
+counts.
 """
 from __future__ import annotations
 
