@@ -20,6 +20,21 @@ histograms (differences over the level): engine steps, mean step latency, and th
 overhead per step = the time the device waits between back-to-back steps (from one step's
 output reaching the host to the next step's launch: mean, and p50/p99 interpolated in the
 histogram buckets), also as a share of the level's wall time.
+
+``--workload multi-turn``: every client holds one conversation of ``--turns`` turns; turn t
+sends the whole history (turn 1's prompt: ``--turn-len`` random tokens; each later turn:
+the previous prompt, its ``--output-len`` generated tokens and ``--turn-len`` new ones), so
+its prompt grows by output-len + turn-len tokens a turn. It runs with the prefix cache on
+and off (``--prefix-caching``: on, off or both; one server each over http, and over the
+engine a fresh engine per level and setting, the settings of a level back to back, so
+both see the same machine load) on the same conversations and reports per turn: the
+prompt length, TTFT p50/p99 over the conversations and the cached prompt tokens (the
+responses' ``usage.prompt_tokens_details.cached_tokens``).
+
+    python3 bench/serve_load.py --out DIR --transport engine --workload multi-turn \
+        --attention-impl reference --num-layers 2 --concurrency 1,4 --turns 8 --turn-len 100 \
+        --output-len 16 --max-model-len 1024 --max-num-batched-tokens 256 --prompt-len 8,16 \
+        --requests-per-client 1                                   (the CPU run of record)
 """
 from __future__ import annotations
 
@@ -61,6 +76,15 @@ def parse_args(argv=None):
                         "model); with --num-layers to keep the first layers")
     p.add_argument("--attention-impl", choices=("pallas", "reference"), default=None)
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    p.add_argument("--workload", choices=("random", "multi-turn"), default="random",
+                   help="random prompts, or conversations that resend their history each turn")
+    p.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation")
+    p.add_argument("--turn-len", type=int, default=200,
+                   help="multi-turn: new prompt tokens per turn")
+    p.add_argument("--prefix-caching", choices=("on", "off", "both"), default=None,
+                   help="the server's prefix cache (default: on; both for multi-turn)")
+    p.add_argument("--bucket-sizes", default=None, metavar="N,N,...",
+                   help="the server's --bucket-sizes (default: its own)")
     args = p.parse_args(argv)
     try:
         args.levels = [int(c) for c in args.concurrency.split(",")]
@@ -74,11 +98,24 @@ def parse_args(argv=None):
                 f"({args.max_model_len}), got {lo},{hi} + {args.output_len}")
     if args.requests_per_client < 1 or args.output_len < 1:
         p.error("--requests-per-client and --output-len must be >= 1")
+    if args.turns < 1 or args.turn_len < 1:
+        p.error(f"--turns and --turn-len must be >= 1, got {args.turns} and {args.turn_len}")
+    longest = args.turns * (args.turn_len + args.output_len)
+    if args.workload == "multi-turn" and longest > args.max_model_len:
+        p.error(f"--turns * (--turn-len + --output-len) = {longest} must be <= "
+                f"--max-model-len ({args.max_model_len})")
+    if args.prefix_caching is None:
+        args.prefix_caching = "both" if args.workload == "multi-turn" else "on"
     args.prompt_lo, args.prompt_hi = lo, hi
     return args
 
 
-def server_flags(args) -> list[str]:
+def cache_modes(args) -> list[bool]:
+    """The prefix-cache settings to run, in order (True: on)."""
+    return {"on": [True], "off": [False], "both": [True, False]}[args.prefix_caching]
+
+
+def server_flags(args, caching: bool = True) -> list[str]:
     flags = ["--model-name", MODEL, "--max-model-len", str(args.max_model_len),
              "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -89,6 +126,10 @@ def server_flags(args) -> list[str]:
         flags += ["--attention-impl", args.attention_impl]
     if args.model_config is not None:
         flags += ["--model-config", args.model_config]
+    if args.bucket_sizes is not None:
+        flags += ["--bucket-sizes", args.bucket_sizes]
+    if not caching:
+        flags += ["--no-prefix-caching"]
     return flags
 
 
@@ -156,14 +197,17 @@ class Record:
     def __init__(self):
         self.start = time.perf_counter()
         self.chunks: list[tuple[float, int]] = []  # (arrival time, tokens in the chunk)
+        self.token_ids: list[int] = []
+        self.cached_tokens = 0
         self.end = None
 
 
 async def http_request(hc, prompt, args) -> Record:
     rec = Record()
+    rec.prompt_len = len(prompt)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": args.output_len,
             "temperature": args.temperature, "stream": True, "return_token_ids": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     if args.temperature > 0:
         body["seed"] = random.randrange(2**31)
     async with hc.stream("POST", "/v1/completions", json=body) as r:
@@ -172,9 +216,15 @@ async def http_request(hc, prompt, args) -> Record:
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            n = len(json.loads(line[6:])["choices"][0].get("token_ids", []))
-            if n:
-                rec.chunks.append((time.perf_counter(), n))
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                rec.cached_tokens = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if not event["choices"]:
+                continue
+            got = event["choices"][0].get("token_ids", [])
+            if got:
+                rec.chunks.append((time.perf_counter(), len(got)))
+                rec.token_ids.extend(got)
     rec.end = time.perf_counter()
     return rec
 
@@ -184,13 +234,16 @@ async def engine_request(engine, prompt, args) -> Record:
     from jax_msa_runner.serving.sampling import SamplingParams
 
     rec = Record()
+    rec.prompt_len = len(prompt)
     seed = random.randrange(2**31) if args.temperature > 0 else None
     stream = engine.submit(prompt, GenerationParams(
         max_tokens=args.output_len, sampling=SamplingParams(temperature=args.temperature),
         seed=seed, ignore_eos=True))
     async for ev in stream:
+        rec.cached_tokens = ev.num_cached_tokens
         if ev.token_ids:
             rec.chunks.append((time.perf_counter(), len(ev.token_ids)))
+            rec.token_ids.extend(ev.token_ids)
     rec.end = time.perf_counter()
     return rec
 
@@ -205,6 +258,38 @@ async def run_level(send, concurrency, args, rng) -> tuple[list[Record], float]:
     t0 = time.perf_counter()
     per_client = await asyncio.gather(*(client(m) for m in prompts))
     return [r for recs in per_client for r in recs], time.perf_counter() - t0
+
+
+async def run_conversations(send, concurrency, args, rng) -> list[list[Record]]:
+    """``concurrency`` conversations of ``args.turns`` turns, each turn resending the
+    history (its prompt, the output, ``args.turn_len`` new tokens); returns each
+    conversation's records in turn order."""
+    news = [[[rng.randrange(256) for _ in range(args.turn_len)] for _ in range(args.turns)]
+            for _ in range(concurrency)]
+
+    async def conversation(new):
+        history, records = [], []
+        for turn in new:
+            prompt = history + turn
+            rec = await send(prompt)
+            records.append(rec)
+            history = prompt + rec.token_ids
+        return records
+
+    return list(await asyncio.gather(*(conversation(n) for n in news)))
+
+
+def summarize_turns(concurrency, caching, conversations) -> dict:
+    """TTFT p50/p99, prompt length and cached tokens per turn, over the conversations."""
+    turns = []
+    for t in range(len(conversations[0])):
+        recs = [c[t] for c in conversations]
+        ttft = [r.chunks[0][0] - r.start for r in recs if r.chunks]
+        turns.append({"turn": t + 1, "prompt_tokens": recs[0].prompt_len,
+                      "ttft_ms": {"p50": ms(percentile(ttft, 50)),
+                                  "p99": ms(percentile(ttft, 99))},
+                      "cached_tokens_mean": sum(r.cached_tokens for r in recs) / len(recs)})
+    return {"concurrency": concurrency, "prefix_caching": caching, "turns": turns}
 
 
 def summarize(concurrency, records, wall, before, after) -> dict:
@@ -235,12 +320,39 @@ def summarize(concurrency, records, wall, before, after) -> dict:
 
 # ---- the two transports -----------------------------------------------------------------------
 
-async def bench_http(args, rng) -> list[dict]:
+async def drive(send, metrics, args, caching: bool, levels=None) -> list[dict]:
+    """``levels`` (default: every --concurrency level) of the workload through ``send``
+    (prompt -> Record); the conversations and prompts depend only on --seed and the level,
+    so both cache settings see the same ones."""
+    await run_level(send, 2, args, random.Random(args.seed))  # warm the path
+    out = []
+    for c in levels or args.levels:
+        rng = random.Random(args.seed * 1000 + c)
+        if args.workload == "multi-turn":
+            out.append(summarize_turns(c, caching, await run_conversations(send, c, args,
+                                                                           rng)))
+        else:
+            before = await metrics()
+            recs, wall = await run_level(send, c, args, rng)
+            out.append({**summarize(c, recs, wall, before, await metrics()),
+                        "prefix_caching": caching})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+async def bench_http(args) -> list[dict]:
+    levels = []
+    for caching in cache_modes(args):
+        levels += await _bench_http_server(args, caching)
+    return levels
+
+
+async def _bench_http_server(args, caching: bool) -> list[dict]:
     import httpx
 
-    log = open(os.path.join(args.out, "server.log"), "w")
+    log = open(os.path.join(args.out, f"server_cache_{'on' if caching else 'off'}.log"), "w")
     cmd = [sys.executable, "-m", "jax_msa_runner.cli.serve", "--host", "127.0.0.1",
-           "--port", str(args.port), "--log-level", "warning"] + server_flags(args)
+           "--port", str(args.port), "--log-level", "warning"] + server_flags(args, caching)
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{args.port}"
@@ -251,28 +363,21 @@ async def bench_http(args, rng) -> list[dict]:
                                                          max_keepalive_connections=max(args.levels) + 8)) as hc:
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}; see server.log")
+                    raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
                 try:
                     if (await hc.get("/health")).status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
                 if time.monotonic() - t0 > args.startup_timeout:
-                    raise RuntimeError("server did not become healthy; see server.log")
+                    raise RuntimeError(f"server did not become healthy; see {log.name}")
                 await asyncio.sleep(0.5)
             print(f"server up after {time.monotonic() - t0:.1f}s: {' '.join(cmd)}", flush=True)
 
             async def metrics():
                 return parse_prometheus((await hc.get("/metrics")).text)
 
-            await run_level(lambda p: http_request(hc, p, args), 2, args, rng)  # warm the path
-            levels = []
-            for c in args.levels:
-                before = await metrics()
-                recs, wall = await run_level(lambda p: http_request(hc, p, args), c, args, rng)
-                levels.append(summarize(c, recs, wall, before, await metrics()))
-                print(json.dumps(levels[-1]), flush=True)
-            return levels
+            return await drive(lambda p: http_request(hc, p, args), metrics, args, caching)
     finally:
         proc.terminate()
         try:
@@ -282,7 +387,7 @@ async def bench_http(args, rng) -> list[dict]:
         log.close()
 
 
-async def bench_engine(args, rng) -> list[dict]:
+async def bench_engine(args) -> list[dict]:
     from jax_msa_runner.config import RunnerConfig, SchedulerConfig
     from jax_msa_runner.cli.serve import add_serve_args, build_model, check_serve_args
     from jax_msa_runner.serving.engine import Engine
@@ -296,31 +401,42 @@ async def bench_engine(args, rng) -> list[dict]:
     runner = ModelRunner(mc, rc, num_pages=pages, seed=args.seed, attention_impl=args.attention_impl)
     rep = runner.warm_up()
     print(f"warm-up {rep.compile_seconds:.1f}s, {len(rep.buckets)} buckets", flush=True)
-    engine = Engine(runner, SchedulerConfig.from_runner(rc, pages), tokenizer,
-                    max_queue=max(args.levels) * 2 + 16).start()
-    try:
-        def metrics():
-            return parse_prometheus(engine.metrics.render().decode())
+    levels = []
+    for c in args.levels:  # each level with each setting back to back: the same machine load
+        for caching in cache_modes(args):  # a fresh engine (an empty cache) on the one runner
+            sconfig = SchedulerConfig.from_runner(rc, pages, enable_prefix_caching=caching)
+            engine = Engine(runner, sconfig, tokenizer,
+                            max_queue=max(args.levels) * 2 + 16).start()
+            try:
+                async def metrics():
+                    return parse_prometheus(engine.metrics.render().decode())
 
-        await run_level(lambda p: engine_request(engine, p, args), 2, args, rng)
-        levels = []
-        for c in args.levels:
-            before = metrics()
-            recs, wall = await run_level(lambda p: engine_request(engine, p, args), c, args, rng)
-            levels.append(summarize(c, recs, wall, before, metrics()))
-            print(json.dumps(levels[-1]), flush=True)
-        return levels
-    finally:
-        engine.shutdown()
+                levels += await drive(lambda p: engine_request(engine, p, args), metrics,
+                                      args, caching, [c])
+            finally:
+                engine.shutdown()
+    return levels
+
+
+def print_turns(levels) -> None:
+    """One row per (concurrency, turn): prompt tokens, then TTFT p50 ms and cached tokens
+    with the cache on and off."""
+    by = {(lv["concurrency"], lv["prefix_caching"]): lv["turns"] for lv in levels}
+    print(f"{'C':>4} {'turn':>4} {'prompt':>6} {'cache':>5} {'TTFT p50 ms':>11} "
+          f"{'TTFT p99 ms':>11} {'cached':>7}")
+    for (c, caching), turns in sorted(by.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
+        for t in turns:
+            print(f"{c:>4} {t['turn']:>4} {t['prompt_tokens']:>6} {'on' if caching else 'off':>5} "
+                  f"{t['ttft_ms']['p50']:>11.1f} {t['ttft_ms']['p99']:>11.1f} "
+                  f"{t['cached_tokens_mean']:>7.0f}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    rng = random.Random(args.seed)
     random.seed(args.seed)
     run = bench_http if args.transport == "http" else bench_engine
-    levels = asyncio.run(run(args, rng))
+    levels = asyncio.run(run(args))
     import jax
 
     result = {
@@ -329,7 +445,8 @@ def main(argv=None) -> int:
                                                  "max_num_batched_tokens", "num_layers",
                                                  "attention_impl", "requests_per_client",
                                                  "prompt_lo", "prompt_hi", "output_len",
-                                                 "temperature", "seed")},
+                                                 "temperature", "seed", "workload", "turns",
+                                                 "turn_len", "prefix_caching")},
         "server_flags": server_flags(args),
         "jax": jax.__version__, "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
@@ -338,6 +455,10 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "serve_load.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
+    if args.workload == "multi-turn":
+        print_turns(levels)
+        print(f"wrote {path}")
+        return 0
     print(f"{'C':>4} {'req/s':>8} {'tok/s':>9} {'TTFT p50/p99 ms':>18} {'ITL p50/p99 ms':>16} "
           f"{'steps':>6} {'step ms':>8} {'host gap ms mean/p50/p99':>26} {'gap share':>9}")
     for lv in levels:

@@ -8,7 +8,9 @@ With ``--checkpoint DIR`` it serves that Hugging Face folder (``checkpoint.load`
 Start-up: every flag is checked first (a bad one prints one line naming the flag and its
 bound and exits with status 2), the port is bound (a port in use fails here, before any
 compile), the runner compiles every bucket (warm-up), and only then does uvicorn accept
-requests. Routes: ``jax_msa_runner.serving.server``.
+requests. Routes: ``jax_msa_runner.serving.server``. Prefix caching is on unless
+``--no-prefix-caching``; ``--debug`` validates every step's metadata and the KV pages' ref
+counts.
 """
 from __future__ import annotations
 
@@ -57,6 +59,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="override the tiny model's layer count (layer 0 dense, others MSA)")
     g.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="prefill every prompt in full (default: full KV pages of a repeated "
+                        "prefix are reused)")
+    g.add_argument("--debug", action="store_true",
+                   help="validate every step's metadata and the KV pages' ref counts")
     add_mesh_args(g)
     return parser
 
@@ -210,20 +217,22 @@ def run_serve(args: argparse.Namespace) -> int:
                       max_model_len=args.max_model_len, bucket_sizes=sizes,
                       tp_size=args.tp, ep_size=args.ep, command_buffers=args.command_buffers)
     runner = ModelRunner(mc, rc, num_pages=num_pages, params=params, seed=args.seed,
-                         attention_impl=args.attention_impl)
+                         attention_impl=args.attention_impl, debug=args.debug)
     source = args.checkpoint or (f"{args.model_config} (random weights)" if args.model_config
                                  else "tiny (random weights)")
     print(f"model {args.model_name!r}: {source}, {mc.num_layers} layers, vocab {mc.vocab_size} "
           f"({type(tokenizer).__name__}); attention impl {runner.attention_impl}; buckets {list(sizes)}, "
           f"max_num_seqs {rc.max_num_seqs}, max_model_len {rc.max_model_len}, {num_pages} KV "
-          f"pages", flush=True)
+          f"pages, prefix caching {'on' if args.prefix_caching else 'off'}", flush=True)
     rep = runner.warm_up()
     print(f"warm-up: {len(rep.buckets)} buckets, {rep.compilations} XLA compilations in "
           f"{rep.compile_seconds:.1f}s", flush=True)
     for line in runner.memory_report(rep).lines():
         print(line, flush=True)
-    engine = Engine(runner, SchedulerConfig.from_runner(rc, num_pages),
-                    tokenizer, max_queue=args.max_queue).start()
+    sconfig = SchedulerConfig.from_runner(rc, num_pages,
+                                          enable_prefix_caching=args.prefix_caching)
+    engine = Engine(runner, sconfig, tokenizer, max_queue=args.max_queue,
+                    model_tag=f"{source} seed={args.seed} dtype={args.dtype}").start()
     app = build_app(engine, model_name=args.model_name)
     print(f"serving on http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="off"))

@@ -25,12 +25,14 @@ import threading
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from jax_msa_runner.config import SchedulerConfig
 from jax_msa_runner.serving import structured
 from jax_msa_runner.serving.compile_count import compile_count
 from jax_msa_runner.serving.metrics import ServerMetrics
+from jax_msa_runner.serving.prefix_cache import cache_identity
 from jax_msa_runner.serving.runner import ModelRunner
 from jax_msa_runner.serving.sampling import (NUM_TOP_LOGPROBS, SamplingParamError,
                                              SamplingParams, StepOutput)
@@ -121,6 +123,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
 
 def make_request(request_id: int, prompt: Sequence[int], params: GenerationParams, *, seed: int,
@@ -174,6 +177,7 @@ class EngineSnapshot:
     pages_usable: int
     live_requests: int
     preemptions: int
+    cached_pages: int = 0  # keyed pages of the prefix cache, held or not
 
 
 @dataclasses.dataclass
@@ -197,11 +201,14 @@ class Engine:
 
     runner: a warmed-up ModelRunner (the engine thread is its only user from then on);
     sconfig: the scheduler's limits within the runner's (max_num_seqs, token budget,
-    max_model_len, pages); max_queue >= 1: requests allowed to wait to run.
+    max_model_len, pages, prefix caching); max_queue >= 1: requests allowed to wait to run;
+    model_tag: names the weights in the prefix cache's keys (with the model config and the
+    caches' dtypes). With ``runner.debug`` every step also checks the pages' ref counts
+    against the running block tables (``Scheduler.check_pages``).
     """
 
     def __init__(self, runner: ModelRunner, sconfig: SchedulerConfig, tokenizer: Tokenizer, *,
-                 max_queue: int, metrics: ServerMetrics | None = None):
+                 max_queue: int, metrics: ServerMetrics | None = None, model_tag: str = ""):
         rc = runner.rconfig
         for field, mine, limit in (("max_num_seqs", sconfig.max_num_seqs, rc.max_num_seqs),
                                    ("max_num_batched_tokens", sconfig.max_num_batched_tokens,
@@ -221,10 +228,12 @@ class Engine:
             raise ValueError(f"max_queue: must be >= 1, got {max_queue}")
         self.runner, self.tokenizer = runner, tokenizer
         self.vocab_size = runner.mconfig.vocab_size
-        self.scheduler = Scheduler(sconfig)
+        self.scheduler = Scheduler(sconfig, cache_identity=runner_cache_identity(runner,
+                                                                                  model_tag))
+        self._prefix_seen = (0, 0)  # the scheduler's (queries, hits) already in the metrics
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics()
-        self.metrics.kv_pages_total.set(self.scheduler.allocator.num_usable)
+        self.metrics.kv_pages_total.set(self.scheduler.pool.num_usable)
         self.error: BaseException | None = None
         self._inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -373,6 +382,8 @@ class Engine:
         if prev_ready is not None:
             self.metrics.host_gap.observe(max(0.0, self.runner.last_launch - prev_ready))
         self.scheduler.update(batch, out.tokens)
+        if self.runner.debug:
+            self.scheduler.check_pages()
         deliveries = self._outputs(batch, out)
         self._steps += 1
         self.metrics.step_latency.observe(time.perf_counter() - t0)
@@ -461,7 +472,8 @@ class Engine:
                 text=text, token_ids=tuple(live.new_ids),
                 logprobs=tuple(live.new_logprobs) if n is not None else None,
                 finish_reason=reason, num_prompt_tokens=len(req.prompt),
-                num_output_tokens=len(req.output), prompt_logprobs=prompt_lp)))
+                num_output_tokens=len(req.output), prompt_logprobs=prompt_lp,
+                num_cached_tokens=max(req.num_cached_tokens, 0))))
             live.new_ids, live.new_logprobs = [], []
         self.metrics.generation_tokens.inc(generated)
         return deliveries
@@ -487,8 +499,9 @@ class Engine:
     def _make_snapshot(self) -> EngineSnapshot:
         s = self.scheduler
         return EngineSnapshot(steps=self._steps, waiting=len(s.waiting), running=len(s.running),
-                              pages_in_use=s.num_pages_in_use, pages_usable=s.allocator.num_usable,
-                              live_requests=len(self._live), preemptions=s.num_preemptions)
+                              pages_in_use=s.num_pages_in_use, pages_usable=s.pool.num_usable,
+                              live_requests=len(self._live), preemptions=s.num_preemptions,
+                              cached_pages=s.pool.num_cached)
 
     def _publish(self) -> None:
         snap = self.snapshot = self._make_snapshot()
@@ -497,10 +510,22 @@ class Engine:
         self.metrics.queue_depth.set(snap.waiting + self._pending_adds)
         self.metrics.running.set(snap.running)
         self.metrics.kv_pages_in_use.set(snap.pages_in_use)
+        self.metrics.prefix_cache_pages.set(snap.cached_pages)
+        queries, hits = self.scheduler.prefix_queries, self.scheduler.prefix_hits
+        self.metrics.prefix_cache_queries.inc(queries - self._prefix_seen[0])
+        self.metrics.prefix_cache_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
         compiles = compile_count() - self._compile_base
         if compiles > self._compiles_seen:
             self.metrics.compilations.inc(compiles - self._compiles_seen)
             self._compiles_seen = compiles
+
+
+def runner_cache_identity(runner: ModelRunner, model_tag: str = "") -> bytes:
+    """The prefix cache's key root for ``runner``: its model config, the dtypes of its cache
+    leaves (KV, index-K), its DCP world size and ``model_tag``."""
+    dtypes = tuple(str(x.dtype) for x in jax.tree_util.tree_leaves(runner.caches))
+    return cache_identity(runner.mconfig, dtypes, runner.rconfig.dcp_world_size, model_tag)
 
 
 def _deliver(items) -> None:

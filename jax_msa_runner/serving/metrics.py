@@ -3,8 +3,12 @@
 Counters: ``jax_msa_requests_total{outcome}`` (outcome: stop, length, abort, rejected,
 overloaded, error: an internal error), ``jax_msa_prompt_tokens_total``, ``jax_msa_generation_tokens_total``,
 ``jax_msa_preemptions_total``, ``jax_msa_compilations_after_warmup_total`` (XLA compilations
-in the process since the engine was built on its warmed-up runner: 0 while serving). Gauges: ``jax_msa_queue_depth`` (requests waiting to run),
-``jax_msa_running_requests``, ``jax_msa_kv_pages_in_use``, ``jax_msa_kv_pages_total``.
+in the process since the engine was built on its warmed-up runner: 0 while serving),
+``jax_msa_prefix_cache_queries_total`` / ``jax_msa_prefix_cache_hits_total`` (tokens looked
+up in the prefix cache at admission / tokens found there). Gauges: ``jax_msa_queue_depth``
+(requests waiting to run), ``jax_msa_running_requests``, ``jax_msa_kv_pages_in_use`` (held by
+running requests), ``jax_msa_kv_pages_total``, ``jax_msa_prefix_cache_pages`` (keyed pages,
+held or evictable).
 Histograms (seconds): ``jax_msa_step_latency_seconds`` (schedule + step + update),
 ``jax_msa_step_host_gap_seconds`` (device idle between back-to-back steps: from one step's
 output reaching the host to the next step's launch), ``jax_msa_time_to_first_token_seconds``.
@@ -35,6 +39,12 @@ class ServerMetrics:
         self.compilations = Counter("jax_msa_compilations_after_warmup",
                                     "XLA compilations since the engine started (0 in serving)",
                                     registry=r)
+        self.prefix_cache_queries = Counter("jax_msa_prefix_cache_queries",
+                                            "Tokens looked up in the prefix cache", registry=r)
+        self.prefix_cache_hits = Counter("jax_msa_prefix_cache_hits",
+                                         "Tokens found in the prefix cache", registry=r)
+        self.prefix_cache_pages = Gauge("jax_msa_prefix_cache_pages",
+                                        "KV pages keyed in the prefix cache", registry=r)
         self.queue_depth = Gauge("jax_msa_queue_depth", "Requests waiting to run", registry=r)
         self.running = Gauge("jax_msa_running_requests", "Requests running", registry=r)
         self.kv_pages_in_use = Gauge("jax_msa_kv_pages_in_use", "KV pages held by requests",

@@ -416,9 +416,12 @@ def parse_chat(body: dict, model_name: str, tokenizer: Tokenizer) -> ParsedReque
 
 # ---- responses --------------------------------------------------------------------------------
 
-def usage(num_prompt: int, num_output: int) -> dict:
+def usage(num_prompt: int, num_output: int, num_cached: int = 0) -> dict:
+    """The usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens served from
+    the prefix cache."""
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
-            "total_tokens": num_prompt + num_output}
+            "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer,

@@ -382,7 +382,8 @@ class ServeStats:
 def serve(runner: ModelRunner, scheduler: Scheduler,
           on_step: Callable[[Scheduler, int], None] | None = None,
           max_steps: int | None = None) -> ServeStats:
-    """Run scheduler + runner until every request finished (or ``max_steps``)."""
+    """Run scheduler + runner until every request finished (or ``max_steps``); with
+    ``runner.debug`` the pages' ref counts are checked against the block tables every step."""
     times: list[float] = []
     prompt = sum(len(r.prompt) for r in list(scheduler.waiting) + scheduler.running)
     t0 = time.perf_counter()
@@ -392,6 +393,8 @@ def serve(runner: ModelRunner, scheduler: Scheduler,
             batch = scheduler.schedule()
             tokens = runner.execute(batch)
             scheduler.update(batch, tokens)
+            if runner.debug:
+                scheduler.check_pages()
             times.append(time.perf_counter() - ts)
             if on_step is not None:
                 on_step(scheduler, len(times))

@@ -18,6 +18,19 @@ Decode context parallelism (``dcp_world_size = W > 1``): every rank holds its ow
 the same on every rank (one allocator models the W identical per-rank pools), which is the
 block-table row staging expects under DCP.
 
+Prefix caching (``config.enable_prefix_caching``, ``serving.prefix_cache``): a request's
+pages are keyed as they fill (after the step that computed them). A request admitted from
+the waiting queue (new, or resumed after preemption) maps the cached pages of its longest
+keyed prefix into its page list, counts their tokens as computed and is scheduled from the
+first token after them; at least one token is always computed (so a row has logits), so at
+most ``(num_tokens - 1) // unit`` pages come from the cache. A waiting request whose next
+page is being prefilled by a running request waits for it (admission stops for the step), so
+concurrent requests with one prefix (``n`` copies) compute it once and share its pages.
+Requests asking for prompt logprobs (which need every prompt token's logits) or with a
+presence, frequency or repetition penalty (whose on-device state counts the tokens the
+steps feed, from position 0) never read the cache; their pages still join it. Preemption,
+abort and finish drop the request's references: its keyed pages stay cached, evictable.
+
 Every running request holds a slot in [0, max_num_seqs): its row of the runner's
 on-device penalty state (``sampling.PenaltyState``), taken at admission and given back on
 preemption, finish and abort. ``abort`` removes a request wherever it is and frees its pages
@@ -33,7 +46,8 @@ from typing import Sequence
 import numpy as np
 
 from jax_msa_runner.config import RESERVED_PAGES, SchedulerConfig
-from jax_msa_runner.serving.kv_cache import BlockAllocator, pages_needed
+from jax_msa_runner.serving.kv_cache import pages_needed
+from jax_msa_runner.serving.prefix_cache import PagePool, chain_keys, page_unit
 from jax_msa_runner.serving.sampling import SamplingParamError, SamplingParams, SamplingRows
 
 
@@ -105,6 +119,9 @@ class Request:
     finish_reason: str | None = None  # "length" or "stop" (a stop / eos token) once finished
     num_preemptions: int = 0
     prompt_logprobs: bool = False  # the steps return its prompt tokens' logprobs
+    num_cached_tokens: int = -1  # tokens its first admission found in the prefix cache
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)  # of its full pages so far
+    num_keyed: int = 0  # leading pages of ``pages`` already offered to the cache
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +131,14 @@ class Request:
         """Tokens [start, stop) of prompt + output."""
         p = len(self.prompt)
         return list(self.prompt[start:min(stop, p)]) + self.output[max(start - p, 0):max(stop - p, 0)]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False for prompt logprobs (every prompt token's logits) and penalties (the device
+        state counts fed tokens from position 0)."""
+        s = self.sampling
+        return not self.prompt_logprobs and (s.presence_penalty, s.frequency_penalty,
+                                             s.repetition_penalty) == (0.0, 0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,11 +176,19 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Continuous batching over a ``BlockAllocator``; pure host Python, deterministic."""
+    """Continuous batching over a ``PagePool``; pure host Python, deterministic.
 
-    def __init__(self, config: SchedulerConfig):
+    cache_identity: the root of the prefix-cache keys (``prefix_cache.cache_identity`` of
+    the runner's model and caches). ``prefix_queries`` / ``prefix_hits``: tokens looked up
+    in the cache at admission, and tokens found.
+    """
+
+    def __init__(self, config: SchedulerConfig, cache_identity: bytes = b""):
         self.config = config
-        self.allocator = BlockAllocator(config.num_pages)
+        self.pool = PagePool(config.num_pages)
+        self.cache_identity = cache_identity
+        self.unit = page_unit(config.dcp_world_size)
+        self.prefix_queries = self.prefix_hits = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -187,14 +220,21 @@ class Scheduler:
 
     @property
     def num_pages_in_use(self) -> int:
-        return self.allocator.num_usable - self.allocator.num_free
+        """Pages held by running requests (cached pages of ref count 0 are not in use)."""
+        return self.pool.num_held
+
+    def check_pages(self) -> None:
+        """Raises prefix_cache.PageRefError unless the pool's ref counts match the running
+        requests' page lists (the debug check)."""
+        self.pool.check([r.pages for r in self.running])
 
     # ---- leaving ---------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
         """Frees a running request's pages and slot."""
         self.running.remove(req)
-        self.allocator.free(req.pages)
+        self.pool.release(req.pages)
         req.pages = []
+        req.num_keyed = 0
         self._free_slots.append(req.slot)
         self._free_slots.sort(reverse=True)
         req.slot = -1
@@ -237,10 +277,68 @@ class Scheduler:
     def _grow(self, req: Request, n: int) -> bool:
         """Give ``req`` the pages for ``n`` more tokens; False if not enough are free."""
         need = pages_needed(req.num_computed + n, self.config.dcp_world_size) - len(req.pages)
-        if not self.allocator.can_allocate(need):
+        if not self.pool.can_allocate(need):
             return False
-        req.pages.extend(self.allocator.allocate(need))
+        req.pages.extend(self.pool.allocate(need))
         return True
+
+    # ---- prefix caching --------------------------------------------------------------------
+    def _keys(self, req: Request, num_pages: int) -> list[bytes]:
+        """Keys of req's first ``num_pages`` full pages (extends ``req.page_keys``)."""
+        have = len(req.page_keys)
+        if num_pages > have:
+            parent = req.page_keys[-1] if have else self.cache_identity
+            req.page_keys.extend(chain_keys(parent, req.token_slice(have * self.unit,
+                                                                    num_pages * self.unit),
+                                            self.unit))
+        return req.page_keys[:num_pages]
+
+    def _cached_prefix(self, req: Request) -> list[int] | None:
+        """The cached pages of req's longest keyed prefix, at most (num_tokens - 1) // unit;
+        None when req waits for a running request to fill its next page."""
+        if not (self.config.enable_prefix_caching and req.reads_prefix_cache):
+            return []
+        keys = self._keys(req, (req.num_tokens - 1) // self.unit)
+        hit = self.pool.lookup(keys)
+        if len(hit) < len(keys) and keys[len(hit)] in self._keys_in_flight():
+            return None
+        return hit
+
+    def _keys_in_flight(self) -> set[bytes]:
+        """Keys of the pages running requests will fill from the tokens they know."""
+        return {k for r in self.running
+                for k in self._keys(r, r.num_tokens // self.unit)[r.num_keyed:]}
+
+    def _offer_full_pages(self, req: Request) -> None:
+        """Key req's pages that its computed tokens have filled since the last offer."""
+        full = req.num_computed // self.unit
+        if self.config.enable_prefix_caching and full > req.num_keyed:
+            for page, key in zip(req.pages[req.num_keyed:full],
+                                 self._keys(req, full)[req.num_keyed:]):
+                self.pool.insert(page, key)
+        req.num_keyed = max(req.num_keyed, full)
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Give waiting ``req`` its cached prefix and the pages of its first chunk; returns
+        the chunk's tokens, or None (nothing changes) when it must keep waiting."""
+        hit = self._cached_prefix(req)
+        if hit is None:
+            return None
+        computed = len(hit) * self.unit
+        n = min(req.num_tokens - computed, budget)
+        new = pages_needed(computed + n, self.config.dcp_world_size) - len(hit)
+        revived = sum(self.pool.ref_count(p) == 0 for p in hit)  # leave the evictable pool
+        if not self.pool.can_allocate(new + revived):
+            return None
+        self.pool.acquire(hit)
+        req.pages = hit + self.pool.allocate(new)
+        req.num_computed, req.num_keyed = computed, len(hit)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = computed
+        if self.config.enable_prefix_caching and req.reads_prefix_cache:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += computed
+        return n
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's rows (may preempt); raises if nothing at all can run."""
@@ -265,8 +363,8 @@ class Scheduler:
         if not preempted:
             while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
                 req = self.waiting[0]
-                n = min(req.num_tokens - req.num_computed, budget)
-                if not self._grow(req, n):
+                n = self._admit(req, budget)
+                if n is None:
                     break
                 self.waiting.popleft()
                 req.status = Status.RUNNING
@@ -292,6 +390,7 @@ class Scheduler:
         done = []
         for row, req in enumerate(batch.requests):
             req.num_computed += int(batch.num_scheduled[row])
+            self._offer_full_pages(req)
             if not batch.sample[row]:
                 continue
             tok = int(sampled[row])

@@ -183,11 +183,12 @@ class _Echo:
 
 
 async def _collect_one(stream: RequestStream, parsed: ParsedRequest, index: int,
-                       tokenizer, echo: _Echo | None) -> tuple[dict, int]:
-    """One copy's choice and its output token count (waits for it to finish)."""
+                       tokenizer, echo: _Echo | None) -> tuple[dict, int, int]:
+    """One copy's choice, its output token count and its cached prompt tokens (waits for
+    it to finish)."""
     text, ids, entries, offsets = [], [], [], []
     length = 0
-    reason, n_out, prompt_entries = None, 0, None
+    reason, n_out, prompt_entries, cached = None, 0, None, 0
     try:
         async for ev in stream:
             if ev.prompt_logprobs is not None:
@@ -198,7 +199,7 @@ async def _collect_one(stream: RequestStream, parsed: ParsedRequest, index: int,
             text.append(ev.text)
             length += len(ev.text)
             ids.extend(ev.token_ids)
-            reason, n_out = ev.finish_reason, ev.num_output_tokens
+            reason, n_out, cached = ev.finish_reason, ev.num_output_tokens, ev.num_cached_tokens
     except EngineDeadError as e:
         raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
     out = "".join(text)
@@ -217,24 +218,25 @@ async def _collect_one(stream: RequestStream, parsed: ParsedRequest, index: int,
             if calls and not content.strip():
                 content = None
         return chat_choice(content, reason, lp, token_ids, delta=False, index=index,
-                           reasoning=reasoning, tool_calls=calls), n_out
+                           reasoning=reasoning, tool_calls=calls), n_out, cached
     if echo is not None:
         return completion_choice(echo.text + out, reason,
                                  echo.logprobs(prompt_entries, entries, offsets), token_ids,
-                                 index=index), n_out
+                                 index=index), n_out, cached
     lp = completion_logprobs(entries, tokenizer, offsets) if parsed.logprobs is not None else None
-    return completion_choice(out, reason, lp, token_ids, index=index), n_out
+    return completion_choice(out, reason, lp, token_ids, index=index), n_out, cached
 
 
 async def _collect(streams: list[RequestStream], parsed: ParsedRequest, rid: str, created: int,
                    model: str, tokenizer, echo: _Echo | None = None) -> dict:
     """The non-streamed response body of a request: its copies' choices in index order;
-    usage counts the prompt once and every copy's output."""
+    usage counts the prompt once (its cached tokens: copy 0's) and every copy's output."""
     done = await asyncio.gather(*(_collect_one(s, parsed, i, tokenizer, echo)
                                   for i, s in enumerate(streams)))
     return envelope(rid, created, model, chat=parsed.chat, chunk=False,
-                    choices=[c for c, _ in done],
-                    usage_body=usage(streams[0].num_prompt_tokens, sum(n for _, n in done)))
+                    choices=[c for c, _, _ in done],
+                    usage_body=usage(streams[0].num_prompt_tokens, sum(n for _, n, _ in done),
+                                     done[0][2]))
 
 
 async def _merged(streams: list[RequestStream]):
@@ -274,6 +276,7 @@ async def _stream_events(engine: Engine, streams: list[RequestStream], parsed: P
     chat = parsed.chat
     length = [0] * len(streams)
     n_out = [0] * len(streams)
+    cached = [0] * len(streams)
     echoed: set[int] = set()
     reasoning = [ReasoningStream(starts_in_reasoning=parsed.starts_in_reasoning)
                  for _ in streams]
@@ -306,6 +309,7 @@ async def _stream_events(engine: Engine, streams: list[RequestStream], parsed: P
                 lp = echo.logprobs(ev.prompt_logprobs, [], []) if echo.want_logprobs else None
                 yield chunk(completion_choice(echo.text, None, lp, None, index=i))
                 length[i] += len(echo.text)
+            cached[i] = ev.num_cached_tokens
             if echo is not None and echo.prompt_only:
                 if ev.finish_reason is not None:
                     yield chunk(completion_choice("", ev.finish_reason, None,
@@ -331,7 +335,7 @@ async def _stream_events(engine: Engine, streams: list[RequestStream], parsed: P
                 yield chunk(completion_choice(ev.text, ev.finish_reason, lp, ids, index=i))
             length[i] += len(ev.text)
         if parsed.include_usage:
-            yield chunk(None, usage(streams[0].num_prompt_tokens, sum(n_out)))
+            yield chunk(None, usage(streams[0].num_prompt_tokens, sum(n_out), cached[0]))
         yield "data: [DONE]\n\n"
     except EngineDeadError as e:
         yield _sse(APIError(503, str(e), type="server_error", code="engine_unavailable").body())

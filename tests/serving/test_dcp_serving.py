@@ -29,7 +29,7 @@ from jax_msa_runner.config import RESERVED_PAGES, ModelConfig, RunnerConfig
 from jax_msa_runner.attention.dcp import DCP_AXIS, DCPError
 from jax_msa_runner.cli.demo import HOST_DEVICES_FLAG, main as demo_main, request_host_devices
 from jax_msa_runner.serving.kv_cache import pages_needed
-from jax_msa_runner.serving.runner import ModelRunner
+from jax_msa_runner.serving.runner import ModelRunner, serve
 from jax_msa_runner.serving.scheduler import (Request, RequestRejectedError, Scheduler,
                                       SchedulerConfig)
 
@@ -182,6 +182,28 @@ def test_dcp_preemption_with_rank_local_pages_equals_single_device(single_device
     assert dist["outputs"] == single_device["outputs"]
     assert dist["compilations"] == 0
     assert runner.validated_steps - before == dist["steps"]
+
+
+def test_dcp_prefix_cache_maps_rank_local_pages_and_equals_single_device(single_device,
+                                                                         dcp_runners):
+    """Prefix caching under DCP: a page of a request's list holds W * 128 tokens over the W
+    ranks, so the workload served again on the same scheduler maps 8 pages (2048 tokens) of
+    the 2200-token prompt and 2 (512) of the 600-token one; the outputs stay those of one
+    device and every step's ref counts match the block tables (debug)."""
+    runner = dcp_runners(2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=BUDGET,
+                                      max_model_len=MAX_LEN, dcp_world_size=2,
+                                      num_pages=_num_pages(LENS, NEW_TOKENS, 2)))
+    for r in _requests(LENS, NEW_TOKENS):
+        sched.add_request(r)
+    first = serve(runner, sched)
+    for r in _requests(LENS, NEW_TOKENS):
+        sched.add_request(dataclasses.replace(r, request_id=10 + r.request_id))
+    again = serve(runner, sched)
+    assert [sched.finished[10 + i].num_cached_tokens for i in range(4)] == [2048, 512, 0, 0]
+    assert {i: list(sched.finished[10 + i].output) for i in range(4)} == \
+        single_device["outputs"] == {i: list(sched.finished[i].output) for i in range(4)}
+    assert again.steps < first.steps and first.compilations == again.compilations == 0
 
 
 def test_dcp_pallas_kernels_interpret_equal_single_device_reference():

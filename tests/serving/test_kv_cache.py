@@ -1,5 +1,5 @@
 """Paged caches: slot-mapped writes (-1 writes nothing), the fp8 index-K cache (clipped writes),
-donation, the block allocator."""
+donation, the page pool as a plain allocator (no keys)."""
 import chex
 import jax
 import jax.numpy as jnp
@@ -11,8 +11,8 @@ from jax_msa_runner.attention.paged_cache import (init_kv_caches, write_index_k,
                                                   write_index_k_donated, write_kv,
                                                   write_kv_donated)
 from jax_msa_runner.config import DUMMY_PAGE_ID as DUMMY_PAGE, NULL_PAGE_ID as NULL_PAGE
-from jax_msa_runner.serving.kv_cache import (BlockAllocator, OutOfPagesError, block_table_row,
-                                             pages_needed)
+from jax_msa_runner.serving.kv_cache import block_table_row, pages_needed
+from jax_msa_runner.serving.prefix_cache import OutOfPagesError, PagePool
 
 
 def test_shapes_and_layers():
@@ -62,7 +62,7 @@ def test_donated_write_reuses_the_buffer():
 
 
 def test_allocator_never_hands_out_reserved_pages_and_is_deterministic():
-    a = BlockAllocator(8)
+    a = PagePool(8)
     assert a.num_usable == 6 and a.num_free == 6
     got = a.allocate(4)
     assert got == [2, 3, 4, 5]
@@ -70,16 +70,16 @@ def test_allocator_never_hands_out_reserved_pages_and_is_deterministic():
     with pytest.raises(OutOfPagesError, match="requested 3 pages, 2 free"):
         a.allocate(3)
     assert a.num_free == 2  # a failed allocation takes nothing
-    a.free([3, 2])
+    a.release([3, 2])
     assert a.allocate(1) == [2]  # lowest id first again
-    with pytest.raises(ValueError, match="not allocated"):
-        a.free([3])  # double free
+    with pytest.raises(ValueError, match="not held"):
+        a.release([3])  # double release
     with pytest.raises(ValueError, match="reserved"):
-        a.free([NULL_PAGE])
+        a.release([NULL_PAGE])
     rest = a.allocate(a.num_free)
     assert NULL_PAGE not in rest and DUMMY_PAGE not in rest
     with pytest.raises(ValueError, match="num_pages"):
-        BlockAllocator(2)
+        PagePool(2)
 
 
 def test_pages_needed_and_rows():

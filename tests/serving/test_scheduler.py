@@ -27,10 +27,10 @@ def check_invariants(s: Scheduler, batch):
     assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
     assert batch.num_tokens <= s.config.max_num_batched_tokens
     assert batch.num_reqs <= s.config.max_num_seqs
-    held = [p for r in s.running for p in r.pages]
-    assert len(held) == len(set(held)), "a page held twice"
-    assert not set(held) & set(RESERVED_PAGES)
-    assert len(held) + s.allocator.num_free == s.allocator.num_usable
+    held = {p for r in s.running for p in r.pages}  # shared prefix pages appear once
+    s.check_pages()  # ref counts == the running page lists holding each page
+    assert not held & set(RESERVED_PAGES)
+    assert len(held) + s.pool.num_free == s.pool.num_usable
     for r, n, c, row in zip(batch.requests, batch.num_scheduled, batch.num_computed, batch.block_table):
         assert n >= 1 and c + n <= r.num_tokens
         assert len(row) >= pages_needed(c + n)
@@ -82,7 +82,7 @@ def test_chunked_prefill_then_decode():
     b = s.schedule()  # decode: one token, the sampled one
     assert list(b.num_scheduled) == [1] and b.token_ids[0] == s.running[0].output[0]
     run_all(s)
-    assert len(s.finished[0].output) == 3 and s.allocator.num_free == s.allocator.num_usable
+    assert len(s.finished[0].output) == 3 and s.pool.num_free == s.pool.num_usable
 
 
 def test_budget_shared_and_decodes_first():
@@ -120,7 +120,7 @@ def test_property_no_request_lost_or_duplicated(lens, new, budget, pages, seqs):
     for i in accepted:
         r = s.finished[i]
         assert r.status is Status.FINISHED and len(r.output) == new[i] and r.pages == []
-    assert s.allocator.num_free == s.allocator.num_usable
+    assert s.pool.num_free == s.pool.num_usable
 
 
 def test_rejections_are_clear():
@@ -196,7 +196,7 @@ def test_property_abort_anywhere_frees_pages_and_slots(lens, new, aborts, pages,
         assert i in plan.values()
     for r in s.finished.values():
         assert len(r.output) == r.max_new_tokens and r.finish_reason == "length"
-    assert s.allocator.num_free == s.allocator.num_usable and s.num_pages_in_use == 0
+    assert s.pool.num_free == s.pool.num_usable and s.num_pages_in_use == 0
     _check_slots(s)
 
 

@@ -45,6 +45,12 @@ def test_command_buffers_flag():
     assert e.value.code == 2
 
 
+def test_prefix_caching_and_debug_flags():
+    assert parse().prefix_caching is True and parse().debug is False
+    assert parse("--no-prefix-caching").prefix_caching is False
+    assert parse("--debug").debug is True
+
+
 def test_defaults_and_derived_sizes():
     sizes, pages = check_serve_args(parse())
     assert sizes == (16, 64, 256) and pages == 2 + 16 * 16

@@ -336,7 +336,7 @@ def test_disconnects_free_every_page_and_leave_other_streams_intact(live):
     for i, (ids, _, _) in enumerate(results[:len(FAULT_KEEP)]):
         assert ids == ref[("keep", i)]
     assert metric(live, "jax_msa_requests_total", '{outcome="abort"}') - aborts_before == 16 + 2
-    alloc = engine.scheduler.allocator
+    alloc = engine.scheduler.pool
     assert snap.pages_in_use == 0 and alloc.num_free == alloc.num_usable
     assert sorted(engine.scheduler._free_slots) == list(range(RC.max_num_seqs))
     assert metric(live, "jax_msa_kv_pages_in_use") == 0
