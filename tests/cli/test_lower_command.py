@@ -22,30 +22,30 @@ def _lower(tmp_path, capsys, *extra):
     return out.read_text(), capsys.readouterr().out
 
 
-def test_decode_step_runs_mosaic_kernels_and_two_ragged_dots(tmp_path, capsys):
+def test_decode_step_runs_mosaic_kernels_only(tmp_path, capsys):
     """B=16 decode at 4K: each dense layer compiles both paged-attention kernels (decode and
-    prefill, picked at run time), the MSA layer its 3 (scores, select, sparse decode); the MoE
-    layer's routed experts are 2 ragged_dots."""
+    prefill, picked at run time), the MSA layer its 3 (scores, select, sparse decode), the MoE
+    layer's routed experts the fused decode kernel (64 copies); no ragged_dot."""
     text, out = _lower(tmp_path, capsys, "--num-tokens", "16", "--context", "4096")
     assert text.startswith("module @jit_") and "func.func public @main" in text
     assert "tensor<514x1x128x256xbf16>" in text  # KV pages of 16 x 4K tokens + 2, 1 KV head
     assert "tensor<16x6144x6144xbf16>" in text  # 16 local experts, gate|up of 3072 each
     assert "tensor<6144x50016xbf16>" in text  # the LM head's vocabulary slice
     assert "bucket T=16 R=16 P=32, 4 layers (1 MSA, 1 MoE), heads 16/1, 16 local experts" in out
-    assert out.splitlines()[-1] == ("kernels per step: mosaic_gpu=9 triton=0 "
-                                    "other_custom_calls=0 ragged_dot=2")
+    assert out.splitlines()[-1] == ("kernels per step: mosaic_gpu=10 triton=0 "
+                                    "other_custom_calls=0 ragged_dot=0")
 
 
 def test_fp8_prefill_chunk(tmp_path, capsys):
     """A 2048-token chunk of one request at 32K: one paged-attention kernel per dense layer,
-    3 MSA kernels; fp8 linears above 256 tokens run on XLA (no fp8 kernel), and the routed
-    experts' fp8 weights are dequantized before their ragged_dots."""
+    3 MSA kernels; fp8 linears above 256 tokens run on XLA (no fp8 kernel); the routed experts
+    the two prefill kernels on their fp8 weights."""
     text, out = _lower(tmp_path, capsys, "--num-tokens", "2048", "--num-reqs", "1",
                        "--context", "32768", "--weights", "fp8")
     assert "f8E4M3FN" in text
     assert "bucket T=2048 R=1 P=256" in out and "fp8 weights" in out
-    assert out.splitlines()[-1] == ("kernels per step: mosaic_gpu=6 triton=0 "
-                                    "other_custom_calls=0 ragged_dot=2")
+    assert out.splitlines()[-1] == ("kernels per step: mosaic_gpu=8 triton=0 "
+                                    "other_custom_calls=0 ragged_dot=0")
 
 
 @pytest.mark.parametrize("extra,line", [
