@@ -405,6 +405,7 @@ class SchedulerConfig:
     num_pages: int  # physical pages incl. the reserved ones (per rank under DCP)
     dcp_world_size: int = 1  # W ranks: requests hold ceil(L / (PAGE_SIZE * W)) rank-local pages
     enable_prefix_caching: bool = True  # full pages keyed by their prefix, reused (prefix_cache)
+    async_scheduling: bool = False  # the engine plans step N+1 while step N runs (engine)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "dcp_world_size"):
@@ -414,13 +415,17 @@ class SchedulerConfig:
                 f"got {self.num_pages}")
         require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
                 f"must be a bool, got {self.enable_prefix_caching!r}")
+        require(isinstance(self.async_scheduling, bool), "async_scheduling",
+                f"must be a bool, got {self.async_scheduling!r}")
 
     @classmethod
     def from_runner(cls, rconfig: RunnerConfig, num_pages: int, *,
-                    enable_prefix_caching: bool = True) -> "SchedulerConfig":
+                    enable_prefix_caching: bool = True,
+                    async_scheduling: bool = False) -> "SchedulerConfig":
         """The scheduler of a runner built from ``rconfig`` with ``num_pages`` pages (per rank)."""
         return cls(max_num_seqs=rconfig.max_num_seqs,
                    max_num_batched_tokens=rconfig.max_num_batched_tokens,
                    max_model_len=rconfig.max_model_len, num_pages=num_pages,
                    dcp_world_size=rconfig.dcp_world_size,
-                   enable_prefix_caching=enable_prefix_caching)
+                   enable_prefix_caching=enable_prefix_caching,
+                   async_scheduling=async_scheduling)

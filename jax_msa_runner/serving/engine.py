@@ -13,6 +13,17 @@ event loop waits for the device.
 its KV pages and penalty slot; a stream's owner calls it when its client goes away. The
 inbox is bounded: ``submit`` raises ``QueueFullError`` when ``max_queue`` requests already
 wait to run (inbox plus the scheduler's waiting queue).
+
+Asynchronous scheduling (``sconfig.async_scheduling``; the runner warmed up with
+``async_scheduling=True``): ``_step_async`` is the one place that pipelines. It schedules
+step N+1 against step N's placeholders (``Scheduler.update_pending``), launches it (the
+device feeds it step N's sampled tokens), and only then reads step N's tokens, resolves them
+(``Scheduler.resolve``: stop tokens finish), turns them into text (stop strings) and
+delivers them, while the device runs step N+1. A request finished by step N's token has its
+extra token of step N+1 discarded; one preempted or aborted with a token in flight loses
+that token (sampled again on resume with the same key: seeds hold). While a request with a
+grammar is live, its masks need each token on the host before the next step, so the engine
+steps synchronously (draining the in-flight step first).
 """
 from __future__ import annotations
 
@@ -33,7 +44,7 @@ from jax_msa_runner.serving import structured
 from jax_msa_runner.serving.compile_count import compile_count
 from jax_msa_runner.serving.metrics import ServerMetrics
 from jax_msa_runner.serving.prefix_cache import cache_identity
-from jax_msa_runner.serving.runner import ModelRunner
+from jax_msa_runner.serving.runner import ModelRunner, StepHandle
 from jax_msa_runner.serving.sampling import (NUM_TOP_LOGPROBS, SamplingParamError,
                                              SamplingParams, StepOutput)
 from jax_msa_runner.serving.scheduler import (Request, RequestRejectedError, ScheduledBatch,
@@ -204,7 +215,10 @@ class Engine:
     max_model_len, pages, prefix caching); max_queue >= 1: requests allowed to wait to run;
     model_tag: names the weights in the prefix cache's keys (with the model config and the
     caches' dtypes). With ``runner.debug`` every step also checks the pages' ref counts
-    against the running block tables (``Scheduler.check_pages``).
+    against the running block tables (``Scheduler.check_pages``). ``sconfig.async_scheduling``
+    needs a runner made with ``async_scheduling=True``; ``async_steps`` / ``sync_steps``
+    count the steps of each kind, ``overlapped_steps`` those launched while the previous
+    step's tokens were still unread.
     """
 
     def __init__(self, runner: ModelRunner, sconfig: SchedulerConfig, tokenizer: Tokenizer, *,
@@ -226,6 +240,9 @@ class Engine:
                              f"sample must decode)")
         if max_queue < 1:
             raise ValueError(f"max_queue: must be >= 1, got {max_queue}")
+        if sconfig.async_scheduling and not runner.async_scheduling:
+            raise ValueError("sconfig.async_scheduling needs a runner made (and warmed up) with "
+                             "async_scheduling=True")
         self.runner, self.tokenizer = runner, tokenizer
         self.vocab_size = runner.mconfig.vocab_size
         self.scheduler = Scheduler(sconfig, cache_identity=runner_cache_identity(runner,
@@ -246,6 +263,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._rng = random.SystemRandom()
         self._steps = 0
+        self.async_scheduling = sconfig.async_scheduling
+        self._inflight: StepHandle | None = None  # launched, its tokens not yet read
+        self.async_steps = self.sync_steps = self.overlapped_steps = 0
         self._lltok = None
         self._compile_base = compile_count()  # the runner is warmed up: serving adds none
         self._compiles_seen = 0
@@ -323,11 +343,18 @@ class Engine:
                 self._wake.clear()
                 self._drain_inbox()
                 if not self.scheduler.has_unfinished():
+                    if self._inflight is not None:  # its tokens are still to deliver
+                        self._finish_inflight()
+                        self._publish()
+                        continue
                     self._publish()
                     prev_ready = None
                     self._wake.wait(0.5)
                     continue
-                self._step(prev_ready)
+                if self.async_scheduling:
+                    self._step_async(prev_ready)
+                else:
+                    self._step(prev_ready)
                 prev_ready = self.runner.last_ready
                 self._publish()
         except BaseException as e:  # noqa: BLE001 -- reported to every waiting stream
@@ -386,8 +413,49 @@ class Engine:
             self.scheduler.check_pages()
         deliveries = self._outputs(batch, out)
         self._steps += 1
+        self.sync_steps += 1
         self.metrics.step_latency.observe(time.perf_counter() - t0)
         self._send(deliveries)
+
+    def _needs_sync(self) -> bool:
+        """A live request needs each token on the host before its next step (a grammar)."""
+        return any(live.matcher is not None for live in self._live.values())
+
+    def _step_async(self, prev_ready: float | None) -> None:
+        """One pipelined step: schedule and launch step N+1, then read step N's tokens."""
+        if self._needs_sync():
+            if self._inflight is not None:
+                self._finish_inflight()
+                self._drain_inbox()
+                if not self.scheduler.has_unfinished():
+                    return
+            self._step(prev_ready)
+            return
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch.preempted:
+            self.metrics.preemptions.inc(len(batch.preempted))
+        prev = self._inflight
+        handle = self.runner.launch_step(batch, prev=prev)  # before reading prev's tokens
+        if prev_ready is not None:
+            self.metrics.host_gap.observe(max(0.0, self.runner.last_launch - prev_ready))
+        if prev is not None:
+            self.overlapped_steps += 1
+            self._finish_inflight()
+        self.scheduler.update_pending(batch)
+        self._inflight = handle
+        self._steps += 1
+        self.async_steps += 1
+        self.metrics.step_latency.observe(time.perf_counter() - t0)
+
+    def _finish_inflight(self) -> None:
+        """Read the in-flight step's tokens, resolve its placeholders and deliver them."""
+        handle, self._inflight = self._inflight, None
+        out = self.runner.finish_step(handle)
+        kept = self.scheduler.resolve(handle.batch, out.tokens)
+        if self.runner.debug:
+            self.scheduler.check_pages()
+        self._send(self._outputs(handle.batch, out, kept))
 
     def _token_masks(self, batch: ScheduledBatch) -> np.ndarray | None:
         """The bitmasks of the rows that sample under a grammar this step (None: no such
@@ -421,16 +489,20 @@ class Engine:
                 live.prompt_logprobs.append(TokenLogprob(req.prompt[pos], float(p.logprobs[t]),
                                                          top))
 
-    def _outputs(self, batch: ScheduledBatch, out: StepOutput) -> list:
+    def _outputs(self, batch: ScheduledBatch, out: StepOutput,
+                 kept: np.ndarray | None = None) -> list:
+        """Deliveries of the rows that sampled (``kept``: only those rows, async)."""
         deliveries = []
         now = time.perf_counter()
         generated = 0
         if out.prompt is not None:
             self._collect_prompt_logprobs(batch, out)
         for row, req in enumerate(batch.requests):
-            if not batch.sample[row]:
+            if not batch.sample[row] or (kept is not None and not kept[row]):
                 continue
-            live = self._live[req.request_id]
+            live = self._live.get(req.request_id)
+            if live is None:
+                continue  # aborted
             generated += 1
             tok = int(out.tokens[row])
             prompt_lp = None

@@ -13,6 +13,14 @@ temperature / top-k / top-p / min-p with key ``fold_in(key(seed), output_index)`
 model's logprobs of the chosen and the top-20 tokens. Its one int32 output array comes back
 in one copy.
 
+Asynchronous scheduling (``launch_step`` / ``finish_step``): ``launch_step`` enqueues a
+step and returns a ``StepHandle`` without waiting for it; a row whose last token is the
+scheduler's ``PLACEHOLDER`` takes it from the previous step's on-device output (``prev``): a
+small ``patch_tokens`` executable (compiled at warm-up for every pair of bucket and previous
+bucket when ``async_scheduling``) writes those tokens into the step's device buffer before
+the forward, so the host never reads them first. ``finish_step`` copies the step's output
+to the host (the one blocking point). ``execute_step`` is the two back to back.
+
 Start-up (``warm_up``) compiles every bucket ahead of time on the inputs of a
 ``stage_dummy_batch`` dummy batch and runs it (the analogue of CUDA-graph capture), then
 runs a profiling pass at the largest bucket (mixed dummy batch, every row at
@@ -27,8 +35,10 @@ replicated logits, with the penalty state replicated.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import itertools
 import time
 from typing import Callable
 
@@ -56,7 +66,7 @@ from jax_msa_runner.serving.sampling import (PenaltyState, SamplingExtras, Sampl
                                              prompt_logprobs, rows_buffer_size, sample_step,
                                              step_output_width, unpack_rows,
                                              unpack_step_output)
-from jax_msa_runner.serving.scheduler import ScheduledBatch, Scheduler
+from jax_msa_runner.serving.scheduler import PLACEHOLDER, ScheduledBatch, Scheduler
 
 # ---- the step --------------------------------------------------------------------------------
 
@@ -165,6 +175,14 @@ def serve_step(params: dict, caches: KVCaches, penalties: PenaltyState, host_buf
     return out, logits, caches, penalties, md
 
 
+def patch_tokens(buf: jax.Array, prev_out: jax.Array, idx: jax.Array) -> jax.Array:
+    """``buf`` int32 [B] with ``buf[idx[0, r]] = prev_out[idx[1, r], 0]`` (the previous
+    step's sampled token of row idx[1, r]); idx int32 [2, R], idx[0, r] >= B: nothing."""
+    return buf.at[idx[0]].set(prev_out[idx[1], 0], mode="drop")
+
+
+_patch_jit = jax.jit(patch_tokens)
+
 _forward_jit = jax.jit(forward_step, static_argnames=("bucket", "rconfig", "mconfig",
                                                       "attention_impl", "interpret", "mesh",
                                                       "attention_mode", "all_token_logits"),
@@ -192,6 +210,20 @@ def _nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
+@dataclasses.dataclass
+class StepHandle:
+    """A launched step (``ModelRunner.launch_step``): its batch, bucket, device outputs and
+    the row of every request (``row_of``), which the next step's placeholders read."""
+
+    step_id: int
+    batch: ScheduledBatch
+    bucket: Bucket
+    out: jax.Array
+    prompt: jax.Array
+    md: BatchMetadata
+    row_of: dict[int, int]
+
+
 class ModelRunner:
     """Holds params, caches and one compiled executable per bucket.
 
@@ -206,12 +238,15 @@ class ModelRunner:
     ``penalties`` the per-slot penalty state (max_num_seqs + 1 slots, on device);
     ``last_launch`` / ``last_ready`` the perf_counter times just before the latest step's
     executable was called and when its output had reached the host.
+    async_scheduling: warm-up also compiles the ``patch_tokens`` executables that feed a
+    step the previous step's on-device tokens (``launch_step(prev=...)``). ``events``: the
+    latest ("launch" | "read", step id) pairs, in order (tests check the overlap).
     """
 
     def __init__(self, mconfig: ModelConfig, rconfig: RunnerConfig, *, num_pages: int,
                  params: dict | None = None, seed: int = 0, attention_impl: str | None = None,
                  debug: bool = False, interpret: bool | None = None,
-                 all_token_logits: bool = False):
+                 all_token_logits: bool = False, async_scheduling: bool = False):
         self.attention_impl = attention_impl or default_attention_impl()
         check_attention_impl(self.attention_impl)
         self.interpret = (self.attention_impl == "pallas" and jax.default_backend() != "gpu"
@@ -231,6 +266,10 @@ class ModelRunner:
         self._compiled: dict[Bucket, tuple[Callable, Callable]] = {}  # (forward, sampling)
         self._neutral: dict[Bucket, SamplingExtras] = {}
         self.validated_steps = 0
+        self.async_scheduling = bool(async_scheduling)
+        self._patches: dict[tuple[Bucket, int], Callable] = {}  # (bucket, previous R) -> exe
+        self._step_ids = itertools.count()
+        self.events: collections.deque = collections.deque(maxlen=4096)
 
     # ---- start-up ------------------------------------------------------------------------
     def _dummy_buffer(self, bucket: Bucket, kind: str, profile_seq_len: int | None) -> np.ndarray:
@@ -266,10 +305,15 @@ class ModelRunner:
             extras = extras._replace(token_mask=self._put(full))
         return extras
 
-    def _run(self, bucket: Bucket, buf: np.ndarray, biases=(), token_masks=None):
+    def _run(self, bucket: Bucket, buf: np.ndarray, biases=(), token_masks=None, feed=None):
         """Launch the bucket's forward, then (while the device runs it) ``token_masks()``
-        on the host, then the sampling; returns (step output, metadata) on the device."""
+        on the host, then the sampling; returns (step output, metadata) on the device.
+        feed: None, or (previous step output on the device, its bucket's R, idx int32
+        [2, R]) for ``patch_tokens``."""
         dev_buf = self._put(buf)
+        if feed is not None:
+            prev_out, prev_r, idx = feed
+            dev_buf = self._patches[(bucket, prev_r)](dev_buf, prev_out, self._put(idx))
         forward, sampling = self._compiled[bucket]
         self.last_launch = time.perf_counter()
         row_logits, (self.last_logits, prompt), self.caches, md = forward(
@@ -282,6 +326,7 @@ class ModelRunner:
     def warm_up(self) -> WarmupReport:
         """Compile every bucket on its dummy batch and run it; then the profiling pass."""
         t0 = time.perf_counter()
+        outs: dict[int, jax.Array] = {}  # a sampling output per R (the patches' inputs)
         with CompileCounter() as cc:
             for bucket in self.buckets:
                 buf = self._put(self._dummy_buffer(bucket, "default", None))
@@ -303,6 +348,15 @@ class ModelRunner:
                 if self.debug:
                     validate_metadata(md, self.rconfig)
                 jax.block_until_ready(nxt)
+                outs[bucket.num_reqs] = nxt
+            if self.async_scheduling:
+                for bucket in self.buckets:
+                    buf = self._put(self._dummy_buffer(bucket, "default", None))
+                    for r, prev in outs.items():
+                        idx = self._put(np.zeros((2, bucket.num_reqs), np.int32))
+                        exe = _patch_jit.lower(buf, prev, idx).compile()
+                        jax.block_until_ready(exe(buf, prev, idx))
+                        self._patches[(bucket, r)] = exe
         compile_s = time.perf_counter() - t0
         big = self.buckets[-1]
         buf = self._dummy_buffer(big, "mixed", self.rconfig.max_model_len)
@@ -342,28 +396,72 @@ class ModelRunner:
         for an unconstrained row). Raises ValueError when a row's slot is outside [0,
         max_num_seqs) or a token id outside [0, vocab_size).
         """
+        return self.finish_step(self.launch_step(batch, token_masks))
+
+    def launch_step(self, batch: ScheduledBatch, token_masks: Callable[[], np.ndarray | None]
+                    | None = None, prev: StepHandle | None = None) -> StepHandle:
+        """Enqueue one scheduled batch on the device and return at once (``execute_step``'s
+        checks and ``token_masks``). A row may end with a ``PLACEHOLDER`` token when
+        ``prev`` (the previous step, launched and not necessarily read) sampled that
+        request's token: the device takes it from ``prev``'s output. Any other placeholder
+        raises ValueError."""
         if not self._compiled:
             raise RuntimeError("ModelRunner.execute before warm_up(): buckets are not compiled")
         S, V = self.rconfig.max_num_seqs, self.mconfig.vocab_size
         slots = np.asarray(batch.sampling.slot)
         for i in np.flatnonzero((slots < 0) | (slots >= S))[:1]:
             raise ValueError(f"sampling.slot[{i}] = {slots[i]}: must be in [0, max_num_seqs={S})")
-        tokens = np.asarray(batch.token_ids)
+        tokens = np.array(batch.token_ids, np.int32)
+        bucket = select_bucket(batch.num_tokens, batch.num_reqs, self.rconfig)
+        feeds = []  # (flat token index, row of prev)
+        holes = np.flatnonzero(tokens == PLACEHOLDER)
+        if holes.size:
+            ends = np.cumsum(batch.num_scheduled) - 1
+            for row in np.flatnonzero(tokens[ends] == PLACEHOLDER):
+                rid = batch.requests[row].request_id
+                src = None if prev is None else prev.row_of.get(rid)
+                if src is None or not prev.batch.sample[src]:
+                    raise ValueError(f"token_ids[{ends[row]}]: a placeholder of request {rid} "
+                                     f"that the previous step did not sample")
+                feeds.append((int(ends[row]), src))
+            if len(feeds) != holes.size:
+                raise ValueError(f"token_ids: placeholders {holes.tolist()} must each be the last "
+                                 f"token of a row")
+            if (bucket, prev.bucket.num_reqs) not in self._patches:
+                raise RuntimeError("ModelRunner.launch_step: placeholders need "
+                                   "async_scheduling=True at warm-up")
+            tokens[holes] = 0
         for i in np.flatnonzero((tokens < 0) | (tokens >= V))[:1]:
             raise ValueError(f"token_ids[{i}] = {tokens[i]}: must be in [0, vocab_size={V})")
-        bucket = select_bucket(batch.num_tokens, batch.num_reqs, self.rconfig)
         packed = pack_host_batch(batch.num_scheduled, batch.num_computed, batch.block_table, bucket,
                                  self.rconfig)
         buf = pack_step_inputs(packed, tokens, batch.sampling, bucket)
+        feed = None
+        if feeds:
+            idx = np.zeros((2, bucket.num_reqs), np.int32)
+            idx[0] = buf.size  # out of range: dropped
+            base = packed_size(bucket)
+            for j, (t, src) in enumerate(feeds):
+                idx[:, j] = (base + t, src)
+            feed = (prev.out, prev.bucket.num_reqs, idx)
         biases = [r.sampling.logit_bias for r in batch.requests]
-        out, prompt, md = self._run(bucket, buf, biases, token_masks)
-        result = unpack_step_output(np.asarray(out), batch.num_reqs)
+        out, prompt, md = self._run(bucket, buf, biases, token_masks, feed)
+        handle = StepHandle(next(self._step_ids), batch, bucket, out, prompt, md,
+                            {r.request_id: i for i, r in enumerate(batch.requests)})
+        self.events.append(("launch", handle.step_id))
+        return handle
+
+    def finish_step(self, handle: StepHandle) -> StepOutput:
+        """Wait for a launched step and bring its output to the host."""
+        batch = handle.batch
+        result = unpack_step_output(np.asarray(handle.out), batch.num_reqs)
+        self.events.append(("read", handle.step_id))
         if any(r.prompt_logprobs for r in batch.requests):
-            result = result._replace(prompt=unpack_step_output(np.asarray(prompt),
+            result = result._replace(prompt=unpack_step_output(np.asarray(handle.prompt),
                                                                int(batch.num_tokens)))
         self.last_ready = time.perf_counter()
         if self.debug:
-            validate_metadata(md, self.rconfig)
+            validate_metadata(handle.md, self.rconfig)
             self.validated_steps += 1
         return result
 

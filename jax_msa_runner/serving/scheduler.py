@@ -35,6 +35,19 @@ Every running request holds a slot in [0, max_num_seqs): its row of the runner's
 on-device penalty state (``sampling.PenaltyState``), taken at admission and given back on
 preemption, finish and abort. ``abort`` removes a request wherever it is and frees its pages
 and slot; finished requests stay in ``finished`` until ``pop_finished``.
+
+Asynchronous scheduling (``update_pending`` / ``resolve``, the engine's
+``async_scheduling``): after launching step N the engine applies it with ``update_pending``
+before its tokens are known: every sampling row advances as ``update`` would and appends
+``PLACEHOLDER`` to its output (``Request.num_pending`` = 1), so step N+1 can be scheduled
+at once; the runner feeds the placeholder position step N's on-device token. A request whose
+placeholder makes ``max_new_tokens`` finishes right away ("length"). ``resolve(batch N,
+tokens)`` then writes the real tokens over the placeholders and finishes the requests that
+sampled a stop token (their extra token of step N+1 is discarded: ``update_pending`` skips
+rows that are no longer running). Preemption and abort drop a request's placeholder: its
+in-flight token is discarded (a preempted request samples it again on resume, with the same
+key). Full pages are keyed only from computed tokens, which ``resolve`` has made real by
+then; the in-flight keys of ``_keys_in_flight`` leave the placeholder out.
 """
 from __future__ import annotations
 
@@ -49,6 +62,8 @@ from jax_msa_runner.config import RESERVED_PAGES, SchedulerConfig
 from jax_msa_runner.serving.kv_cache import pages_needed
 from jax_msa_runner.serving.prefix_cache import PagePool, chain_keys, page_unit
 from jax_msa_runner.serving.sampling import SamplingParamError, SamplingParams, SamplingRows
+
+PLACEHOLDER = -1  # an output token sampled on the device but not yet read (async scheduling)
 
 
 class RequestRejectedError(ValueError):
@@ -122,6 +137,7 @@ class Request:
     num_cached_tokens: int = -1  # tokens its first admission found in the prefix cache
     page_keys: list[bytes] = dataclasses.field(default_factory=list)  # of its full pages so far
     num_keyed: int = 0  # leading pages of ``pages`` already offered to the cache
+    num_pending: int = 0  # trailing PLACEHOLDER outputs (0 or 1; async scheduling)
 
     @property
     def num_tokens(self) -> int:
@@ -254,6 +270,7 @@ class Scheduler:
                 req = self.finished.pop(request_id, None)
         if req is None:
             return None
+        self._drop_pending(req)
         self._ids.discard(request_id)
         if req.status is not Status.FINISHED:
             req.status = Status.ABORTED
@@ -266,7 +283,14 @@ class Scheduler:
         return req
 
     # ---- scheduling ------------------------------------------------------------------------
+    def _drop_pending(self, req: Request) -> None:
+        """Discard the request's in-flight token (its placeholder)."""
+        if req.num_pending:
+            del req.output[-req.num_pending:]
+            req.num_pending = 0
+
     def _preempt(self, req: Request) -> None:
+        self._drop_pending(req)
         self._release(req)
         req.num_computed = 0
         req.status = Status.WAITING
@@ -307,7 +331,7 @@ class Scheduler:
     def _keys_in_flight(self) -> set[bytes]:
         """Keys of the pages running requests will fill from the tokens they know."""
         return {k for r in self.running
-                for k in self._keys(r, r.num_tokens // self.unit)[r.num_keyed:]}
+                for k in self._keys(r, (r.num_tokens - r.num_pending) // self.unit)[r.num_keyed:]}
 
     def _offer_full_pages(self, req: Request) -> None:
         """Key req's pages that its computed tokens have filled since the last offer."""
@@ -403,6 +427,59 @@ class Scheduler:
                 self.finished[req.request_id] = req
                 done.append(req)
         return done
+
+
+    # ---- asynchronous scheduling ----------------------------------------------------------
+    def update_pending(self, batch: ScheduledBatch) -> list[Request]:
+        """Apply a launched step whose tokens are not known yet: like ``update`` with a
+        PLACEHOLDER for every sampled token (rows no longer running are skipped: their
+        tokens are discarded); returns requests finished now (max_new_tokens reached,
+        finish_reason "length" until ``resolve`` reads a stop token)."""
+        done = []
+        for row, req in enumerate(batch.requests):
+            if req.status is not Status.RUNNING:
+                continue  # finished, aborted or preempted since it was scheduled
+            req.num_computed += int(batch.num_scheduled[row])
+            self._offer_full_pages(req)
+            if not batch.sample[row]:
+                continue
+            if req.num_pending:
+                raise RuntimeError(f"request {req.request_id}: a second token in flight "
+                                   f"(resolve the previous step first)")
+            req.output.append(PLACEHOLDER)
+            req.num_pending = 1
+            if len(req.output) >= req.max_new_tokens:
+                self._release(req)
+                req.status = Status.FINISHED
+                req.finish_reason = "length"
+                self.finished[req.request_id] = req
+                done.append(req)
+        return done
+
+    def resolve(self, batch: ScheduledBatch, sampled: Sequence[int]) -> np.ndarray:
+        """The tokens of a step applied with ``update_pending``: each row's placeholder
+        becomes its token, and a stop token finishes its request. Returns bool [n]: the
+        rows whose token was kept (False: no sample, or the request was preempted or
+        aborted while it was in flight, so the token is discarded)."""
+        kept = np.zeros(batch.num_reqs, bool)
+        for row, req in enumerate(batch.requests):
+            if not batch.sample[row]:
+                continue
+            idx = int(batch.sample_index[row])
+            if (req.status not in (Status.RUNNING, Status.FINISHED) or not req.num_pending
+                    or len(req.output) != idx + 1 or req.output[idx] != PLACEHOLDER):
+                continue
+            tok = int(sampled[row])
+            req.output[idx] = tok
+            req.num_pending = 0
+            kept[row] = True
+            if tok == req.eos_token_id or tok in req.stop_token_ids:
+                if req.status is Status.RUNNING:
+                    self._release(req)
+                    req.status = Status.FINISHED
+                    self.finished[req.request_id] = req
+                req.finish_reason = "stop"
+        return kept
 
 
 def _next_prompt_token(req: Request, num_scheduled: int) -> int:
