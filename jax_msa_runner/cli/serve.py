@@ -9,8 +9,9 @@ Start-up: every flag is checked first (a bad one prints one line naming the flag
 bound and exits with status 2), the port is bound (a port in use fails here, before any
 compile), the runner compiles every bucket (warm-up), and only then does uvicorn accept
 requests. Routes: ``jax_msa_runner.serving.server``. Prefix caching is on unless
-``--no-prefix-caching``; ``--debug`` validates every step's metadata and the KV pages' ref
-counts.
+``--no-prefix-caching``; ``--async-scheduling`` (off by default) lets the host schedule and
+stage step N+1 while the device runs step N (``serving.engine``); ``--debug`` validates every
+step's metadata and the KV pages' ref counts.
 """
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="prefill every prompt in full (default: full KV pages of a repeated "
                         "prefix are reused)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch step N+1 before reading step N's tokens (they "
+                        "feed it on the device; a request with a grammar steps synchronously)")
     g.add_argument("--debug", action="store_true",
                    help="validate every step's metadata and the KV pages' ref counts")
     add_mesh_args(g)
@@ -217,20 +221,23 @@ def run_serve(args: argparse.Namespace) -> int:
                       max_model_len=args.max_model_len, bucket_sizes=sizes,
                       tp_size=args.tp, ep_size=args.ep, command_buffers=args.command_buffers)
     runner = ModelRunner(mc, rc, num_pages=num_pages, params=params, seed=args.seed,
-                         attention_impl=args.attention_impl, debug=args.debug)
+                         attention_impl=args.attention_impl, debug=args.debug,
+                         async_scheduling=args.async_scheduling)
     source = args.checkpoint or (f"{args.model_config} (random weights)" if args.model_config
                                  else "tiny (random weights)")
     print(f"model {args.model_name!r}: {source}, {mc.num_layers} layers, vocab {mc.vocab_size} "
           f"({type(tokenizer).__name__}); attention impl {runner.attention_impl}; buckets {list(sizes)}, "
           f"max_num_seqs {rc.max_num_seqs}, max_model_len {rc.max_model_len}, {num_pages} KV "
-          f"pages, prefix caching {'on' if args.prefix_caching else 'off'}", flush=True)
+          f"pages, prefix caching {'on' if args.prefix_caching else 'off'}, async scheduling "
+          f"{'on' if args.async_scheduling else 'off'}", flush=True)
     rep = runner.warm_up()
     print(f"warm-up: {len(rep.buckets)} buckets, {rep.compilations} XLA compilations in "
           f"{rep.compile_seconds:.1f}s", flush=True)
     for line in runner.memory_report(rep).lines():
         print(line, flush=True)
     sconfig = SchedulerConfig.from_runner(rc, num_pages,
-                                          enable_prefix_caching=args.prefix_caching)
+                                          enable_prefix_caching=args.prefix_caching,
+                                          async_scheduling=args.async_scheduling)
     engine = Engine(runner, sconfig, tokenizer, max_queue=args.max_queue,
                     model_tag=f"{source} seed={args.seed} dtype={args.dtype}").start()
     app = build_app(engine, model_name=args.model_name)

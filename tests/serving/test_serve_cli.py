@@ -48,6 +48,7 @@ def test_command_buffers_flag():
 def test_prefix_caching_and_debug_flags():
     assert parse().prefix_caching is True and parse().debug is False
     assert parse("--no-prefix-caching").prefix_caching is False
+    assert parse().async_scheduling is False and parse("--async-scheduling").async_scheduling
     assert parse("--debug").debug is True
 
 
