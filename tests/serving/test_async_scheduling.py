@@ -12,6 +12,7 @@ nothing after warm-up, and the runner's event log shows step N+1 launched before
 tokens were read. The scheduler's placeholder bookkeeping is checked on its own too.
 """
 import asyncio
+import re
 
 import numpy as np
 import numpy.testing as npt
@@ -192,7 +193,6 @@ def test_grammar_request_falls_back_to_sync_and_matches(runner, workload):
     sync, *_ = run_engine(runner, cases, async_on=False, pages=AMPLE)
     asy, engine, _, compiles = run_engine(runner, cases, async_on=True, pages=AMPLE)
     assert_same(sync, asy)
-    import re
     assert re.fullmatch("[0-9]{3}-[a-z]{4}", asy[-1]["text"]), asy[-1]["text"]
     assert engine.sync_steps > 0
     assert compiles == 0
