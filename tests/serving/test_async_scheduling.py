@@ -273,3 +273,36 @@ def test_in_flight_page_keys_leave_the_placeholder_out():
     s.update_pending(s.schedule())
     assert a.num_tokens == unit and a.num_pending == 1
     assert s._keys_in_flight() == set() and a.page_keys == []
+
+
+def test_dcp_runner_async_identical():
+    """Under decode context parallelism (W = 2 of the conftest's host devices) the token
+    patches run on the replicated step buffer too."""
+    rc = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=384,
+                      bucket_sizes=(16, 64), dcp_world_size=2)
+    r = ModelRunner(MC, rc, num_pages=2 + 12, seed=3, attention_impl="reference", debug=True,
+                    async_scheduling=True)
+    r.warm_up()
+    cases = [(p, GenerationParams(max_tokens=6, seed=40 + i,
+                                  sampling=SAMPLED if i % 2 else SamplingParams()))
+             for i, p in enumerate(PROMPTS[:5])]
+    out = {}
+    for on in (False, True):
+        engine = Engine(r, SchedulerConfig.from_runner(rc, 2 + 12, async_scheduling=on), TOK,
+                        max_queue=16).start()
+
+        async def main():
+            async def one(p, g):
+                return [t for o in [o async for o in engine.submit(p, g)] for t in o.token_ids]
+            return await asyncio.gather(*(one(p, g) for p, g in cases))
+
+        try:
+            with CompileCounter() as cc:
+                out[on] = asyncio.run(main())
+                wait_idle(engine)
+        finally:
+            engine.shutdown()
+        assert engine.error is None and cc.count == 0
+        assert (engine.overlapped_steps > 0) == on
+    assert out[False] == out[True]
+    assert all(len(t) == 6 for t in out[True])
