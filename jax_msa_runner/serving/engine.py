@@ -437,7 +437,7 @@ class Engine:
             self.metrics.preemptions.inc(len(batch.preempted))
         prev = self._inflight
         handle = self.runner.launch_step(batch, prev=prev)  # before reading prev's tokens
-        if prev_ready is not None:
+        if prev is None and prev_ready is not None:  # overlapped steps: not measurable
             self.metrics.host_gap.observe(max(0.0, self.runner.last_launch - prev_ready))
         if prev is not None:
             self.overlapped_steps += 1
