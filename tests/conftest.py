@@ -63,3 +63,14 @@ def no_work(monkeypatch):
     monkeypatch.setattr(staging, "stage_dummy_batch", forbidden)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a long test (tens of CPU seconds: serving over host-device meshes, "
+        "subprocesses); collected first, so pytest-xdist starts it early, not at the tail")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``slow`` tests first, otherwise collection order (a stable sort). With ``--dist
+    loadgroup`` xdist hands out its groups (largest first), then single tests in this order."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

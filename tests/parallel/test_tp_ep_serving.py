@@ -108,6 +108,7 @@ def test_sharded_serving_equals_single_device(single_device, tp, ep, dcp):
     assert dist["compilations"] == 0
 
 
+@pytest.mark.slow
 def test_tp_pallas_kernels_interpret_equal_single_device_reference():
     """TP 2: the Pallas kernels (interpret mode on CPU) run on each rank's head shard and
     match the single-device reference runner (small buckets keep interpret mode cheap)."""

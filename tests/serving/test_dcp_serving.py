@@ -191,6 +191,7 @@ def test_dcp_preemption_with_rank_local_pages_equals_single_device(single_device
     assert runner.validated_steps - before == dist["steps"]
 
 
+@pytest.mark.slow
 def test_dcp_pallas_kernels_interpret_equal_single_device_reference():
     """Runner steps through the Pallas kernels (interpret mode on CPU) with W = 2 ==
     the single-device reference runner (small buckets keep interpret mode cheap)."""
@@ -204,6 +205,7 @@ def test_dcp_pallas_kernels_interpret_equal_single_device_reference():
     assert dist["compilations"] == 0
 
 
+@pytest.mark.slow
 def test_dcp_with_fp8_index_cache_equals_single_device():
     """An fp8 index-K cache under DCP (W = 2): every rank's index pages stay fp8 and the
     logits and greedy outputs equal one device's serving with the same fp8 cache."""
