@@ -9,32 +9,6 @@ import sys
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
-# A persistent XLA compilation cache for this test run only: one fresh directory, made by the
-# first process that loads this conftest (pytest itself, or xdist's controller) and inherited
-# through the environment by the xdist workers and by every subprocess a test starts (the
-# 8-device workload, the two-process runs, the CLI demos), so an executable compiled in one of
-# them is loaded, not recompiled, by the others. Every executable is cached (no minimum
-# compile time or size). A cache hit still emits "/jax/core/compile/backend_compile_duration"
-# (jax 0.11.2 times compile_or_get_cached as a whole), so CompileCounter and the
-# "compilations after warm-up" proofs count a load from this cache like a compilation: they
-# mean what they said. The product never sets it. Opt out: JAX_MSA_TEST_XLA_CACHE=0; a
-# JAX_COMPILATION_CACHE_DIR already set is used as it is.
-if os.environ.get("JAX_MSA_TEST_XLA_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
-    _xla_cache_dir = tempfile.mkdtemp(prefix="jax-msa-test-xla-cache-")
-    atexit.register(shutil.rmtree, _xla_cache_dir, ignore_errors=True)  # this process made it
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_xla_cache_dir,
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
-    if "jax" in sys.modules:  # a plugin imported jax first: its config read the environment already
-        import jax
-        jax.config.update("jax_compilation_cache_dir", _xla_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 

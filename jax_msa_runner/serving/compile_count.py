@@ -1,9 +1,7 @@
 """Counts XLA backend compilations, process-wide, through a ``jax.monitoring`` listener.
 
 ``CompileCounter`` is the proof behind "serving never compiles after warm-up": a block that
-only calls already-compiled executables records no compilation. A load from jax's
-persistent compilation cache (the test suite turns one on: tests/conftest.py) counts too:
-jax 0.11.2 emits the event around ``compile_or_get_cached`` as a whole, hit or miss.
+only calls already-compiled executables records no compilation.
 """
 from __future__ import annotations
 
