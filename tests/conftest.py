@@ -36,3 +36,31 @@ def no_work(monkeypatch):
     monkeypatch.setattr(demo, "serve", forbidden)
     monkeypatch.setattr(staging, "stage_dummy_batch", forbidden)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a long test (tens of CPU seconds: serving over host-device meshes, "
+        "subprocesses); collected first, so pytest-xdist starts it early, not at the tail")
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's own hook
+def pytest_collection_modifyitems(config, items):
+    """``slow`` tests first, otherwise collection order (a stable sort). With ``--dist
+    loadgroup`` xdist hands out its groups (largest first), then single tests in this order.
+
+    Also makes ``xdist_group`` work under pytest 9.2: pytest-xdist 3.8 tags a grouped test by
+    assigning ``item._nodeid += "@group"``, which pytest 9.2 (node ids in ``item._id``) ignores,
+    so every group was silently spread over the workers. Where xdist's tag did not land, it is
+    set here, the same way xdist names it (group names sorted, joined by "_")."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        tag = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(tag):
+            from _pytest.nodeid import coerce_node_id
+            item._id = coerce_node_id(item.nodeid + tag)
+            assert item.nodeid.endswith(tag), item.nodeid

@@ -241,6 +241,7 @@ TP_CFGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="TP 2 needs two devices (the CPU suite has "
                                                    "four host devices; a one-GPU machine one)")
 @pytest.mark.parametrize("fmt", ["mxfp8", "block128"])

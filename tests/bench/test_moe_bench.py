@@ -22,6 +22,7 @@ import _common  # noqa: E402
 import moe  # noqa: E402
 
 
+@pytest.mark.slow
 def test_dry_run_checks_ours_xla_and_vllm(tmp_path):
     if not os.path.exists(moe.VLLM_PYTHON):
         pytest.fail(f"no comparison Python {moe.VLLM_PYTHON}: run `make compare-env` (or set "

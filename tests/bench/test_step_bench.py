@@ -22,6 +22,7 @@ import step  # noqa: E402
 from jax_msa_runner.config import ModelConfig  # noqa: E402
 
 
+@pytest.mark.slow
 def test_dry_run_measures_every_family_through_the_runner(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(BENCH, "step.py"), "--dry-run", "--out",
                         str(tmp_path)], capture_output=True, text=True, timeout=240)

@@ -17,6 +17,9 @@ import pytest
 from tools.vllm_compare import compare
 
 TOL = 1e-2
+# every test of the module-scoped ``rows`` on one xdist worker: the comparison runs once per
+# test run, not once in each worker that draws one of its tests
+ROWS_GROUP = pytest.mark.xdist_group("vllm_compare_rows")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,7 @@ def test_index_bits_decode_exactly():
     npt.assert_array_equal(finite.astype(ml_dtypes.bfloat16).astype(np.float64), finite)
 
 
+@ROWS_GROUP
 @pytest.mark.parametrize("name", [c.name for c in compare.CASES])
 def test_case_agrees_with_vllm(rows, name):
     r = rows[name]
@@ -84,6 +88,7 @@ def test_case_agrees_with_vllm(rows, name):
     assert r["index_dtype"] == next(c.index_dtype for c in compare.CASES if c.name == name)
 
 
+@ROWS_GROUP
 def test_exact_ties_are_counted_not_hidden(rows):
     r = rows["dec_h1_ties"]
     assert r["ties"] >= 1  # request 0 has all-zero index queries: every block scores 0
@@ -91,6 +96,7 @@ def test_exact_ties_are_counted_not_hidden(rows):
     assert r["tokens_compared"] == r["tokens"] - r["tie_disagree"]
 
 
+@ROWS_GROUP
 def test_negative_control_is_detected(rows):
     r = rows[compare.NEGATIVE_CONTROL.name]
     assert r["error"] is None, r["error"]

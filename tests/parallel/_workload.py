@@ -1,10 +1,12 @@
 """The tensor/expert-parallel test workload: one greedy serving run, usable in-process (the
 conftest's 4 host devices) and from a subprocess with more host devices.
 
-``python tests/parallel/_workload.py TPxEP ...`` (XLA_FLAGS must give enough host devices)
-serves the ``SHORT_LENS`` workload on one device and on every listed TP x EP mesh, and prints one JSON
-line ``{"TPxEP": {"same_outputs": bool, "max_logit_diff": float, "compilations": int,
-"min_margin": float}}``.
+``python tests/parallel/_workload.py [--single REC.json] TPxEP ...`` (XLA_FLAGS must give
+enough host devices) serves the ``SHORT_LENS`` workload on every listed TP x EP mesh and
+compares it with one device's serving of it: the recording in REC.json (``save_recording``:
+the caller served it on one device already) or, without ``--single``, served here first.
+Prints one JSON line ``{"TPxEP": {"same_outputs": bool, "max_logit_diff": float,
+"compilations": int, "min_margin": float}}``.
 """
 from __future__ import annotations
 
@@ -92,9 +94,29 @@ def compare(single: dict, dist: dict) -> dict:
                 min_margin=min_margin(single))
 
 
+def save_recording(rec: dict, path) -> None:
+    """``serve_recording``'s result as JSON (f32 logits exactly: float32 -> JSON float64)."""
+    with open(path, "w") as f:
+        json.dump(dict(outputs={str(k): v for k, v in rec["outputs"].items()},
+                       logits=[x.tolist() for x in rec["logits"]],
+                       compilations=rec["compilations"]), f)
+
+
+def load_recording(path) -> dict:
+    with open(path) as f:
+        rec = json.load(f)
+    return dict(outputs={int(k): v for k, v in rec["outputs"].items()},
+                logits=[np.asarray(x, np.float32).reshape(-1, MC.vocab_size)
+                        for x in rec["logits"]],
+                compilations=rec["compilations"])
+
+
 def main(argv: list[str]) -> None:
     """Each mesh on ``SHORT_LENS`` against one device."""
-    single = serve_recording(runner(lens=SHORT_LENS), lens=SHORT_LENS)
+    if argv[:1] == ["--single"]:
+        single, argv = load_recording(argv[1]), argv[2:]
+    else:
+        single = serve_recording(runner(lens=SHORT_LENS), lens=SHORT_LENS)
     out = {}
     for arg in argv:
         tp, ep = (int(v) for v in arg.split("x"))

@@ -68,6 +68,7 @@ def test_demo_serves_over_an_expert_parallel_mesh(capsys):
     assert "compilations after warm-up: 0" in out
 
 
+@pytest.mark.slow
 def test_checkpoint_lands_on_its_shards_and_logits_equal_one_device(tmp_path, capsys):
     params = init_params(CFG, seed=3)
     write_checkpoint(tmp_path / "ckpt", params, CFG, scheme="released", num_shards=2)

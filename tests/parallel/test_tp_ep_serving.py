@@ -36,6 +36,11 @@ TP_PARAMS = ("q_proj", "k_proj", "v_proj", "index_q_proj", "o_proj", "gate_up_pr
 EXPERT_PARAMS = ("experts_gate_up", "experts_down")
 
 
+# the tests of the module-scoped ``single_device`` on one xdist worker: its recordings (the
+# long workload's 2200-token prompt served on one device) are made once per test run
+SINGLE_DEVICE_GROUP = pytest.mark.xdist_group("tp_ep_single_device")
+
+
 @pytest.fixture(scope="module")
 def single_device():
     """Single-device recordings by prompt lengths, built on first use and shared."""
@@ -62,6 +67,7 @@ def _expected_param_bytes(params, tp, ep):
     return total
 
 
+@SINGLE_DEVICE_GROUP
 @pytest.mark.parametrize("tp,ep,dcp", [(2, 1, 1), (4, 1, 1), (2, 1, 2), (1, 2, 1), (1, 4, 1),
                                        (2, 2, 1)])
 def test_sharded_serving_equals_single_device(single_device, tp, ep, dcp):
@@ -102,6 +108,7 @@ def test_sharded_serving_equals_single_device(single_device, tp, ep, dcp):
     assert dist["compilations"] == 0
 
 
+@pytest.mark.slow
 def test_tp_pallas_kernels_interpret_equal_single_device_reference():
     """TP 2: the Pallas kernels (interpret mode on CPU) run on each rank's head shard and
     match the single-device reference runner (small buckets keep interpret mode cheap)."""
@@ -151,16 +158,20 @@ def test_more_ranks_than_devices_is_rejected():
         RunnerConfig(ep_size=-1)
 
 
-def test_eight_devices_tp2_ep4_and_ep8_in_a_subprocess():
+@SINGLE_DEVICE_GROUP
+def test_eight_devices_tp2_ep4_and_ep8_in_a_subprocess(single_device, tmp_path):
     """TP x EP = 2 x 4 and EP 8 (one expert per rank) over 8 host devices, in a fresh
-    process (the device count is fixed when jax initialises)."""
+    process (the device count is fixed when jax initialises), against this process's
+    single-device recording of the short workload (the one the EP tests above compare with;
+    one device's program does not depend on how many host devices exist)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    wl.save_recording(single_device(wl.SHORT_LENS), tmp_path / "single.json")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_workload.py"),
-                           "2x4", "1x8"], capture_output=True, text=True, env=env, timeout=540,
-                          cwd=root)
+                           "--single", str(tmp_path / "single.json"), "2x4", "1x8"],
+                          capture_output=True, text=True, env=env, timeout=540, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for mesh in ("2x4", "1x8"):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import _workload as wl
 from _cli import TINY_DEMO
@@ -23,6 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_serve_like_one_device(tmp_path):
     single = wl.serve_recording(wl.runner(lens=wl.SHORT_LENS), lens=wl.SHORT_LENS)
     port = _free_port()
@@ -53,6 +55,7 @@ def test_two_processes_serve_like_one_device(tmp_path):
                                        atol=wl.LOGIT_TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_two_process_demo_over_an_expert_parallel_mesh():
     """``jax-msa-runner demo --ep 4 --coordinator ... --num-processes 2 --process-id I`` in
     two processes of 2 host devices each: one EP 4 mesh over both, every request finished

@@ -120,6 +120,11 @@ def _runner(world_size, impl="reference", mc=MC, **kw):
     return runner
 
 
+# the tests of the module-scoped ``single_device`` and ``dcp_runners`` on one xdist worker:
+# the single-device serving and the W = 2 / 4 warm-ups happen once per test run
+SHARED_RUNNERS_GROUP = pytest.mark.xdist_group("dcp_serving_shared_runners")
+
+
 @pytest.fixture(scope="module")
 def single_device():
     return _serve_recording(_runner(1), _requests(LENS, NEW_TOKENS), 1)
@@ -146,6 +151,7 @@ def _assert_same_serving(single, dist):
     assert dist["outputs"] == single["outputs"]
 
 
+@SHARED_RUNNERS_GROUP
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dcp_serving_equals_single_device(single_device, dcp_runners, world_size):
     # the workload is stable: every kept greedy sample wins by far more than LOGIT_TOL
@@ -170,6 +176,7 @@ def test_dcp_serving_equals_single_device(single_device, dcp_runners, world_size
         npt.assert_allclose(many, one, atol=1e-5, rtol=1e-5)
 
 
+@SHARED_RUNNERS_GROUP
 def test_dcp_preemption_with_rank_local_pages_equals_single_device(single_device, dcp_runners):
     """Too few rank-local pages for the workload at once: requests are preempted (their
     local pages freed on every rank) and recomputed; greedy outputs stay those of one device."""
@@ -184,6 +191,7 @@ def test_dcp_preemption_with_rank_local_pages_equals_single_device(single_device
     assert runner.validated_steps - before == dist["steps"]
 
 
+@SHARED_RUNNERS_GROUP
 def test_dcp_prefix_cache_maps_rank_local_pages_and_equals_single_device(single_device,
                                                                          dcp_runners):
     """Prefix caching under DCP: a page of a request's list holds W * 128 tokens over the W
@@ -206,6 +214,7 @@ def test_dcp_prefix_cache_maps_rank_local_pages_and_equals_single_device(single_
     assert again.steps < first.steps and first.compilations == again.compilations == 0
 
 
+@pytest.mark.slow
 def test_dcp_pallas_kernels_interpret_equal_single_device_reference():
     """Runner steps through the Pallas kernels (interpret mode on CPU) with W = 2 ==
     the single-device reference runner (small buckets keep interpret mode cheap)."""
@@ -219,6 +228,7 @@ def test_dcp_pallas_kernels_interpret_equal_single_device_reference():
     assert dist["compilations"] == 0
 
 
+@pytest.mark.slow
 def test_dcp_with_fp8_index_cache_equals_single_device():
     """An fp8 index-K cache under DCP (W = 2): every rank's index pages stay fp8 and the
     logits and greedy outputs equal one device's serving with the same fp8 cache."""

@@ -133,6 +133,7 @@ def test_all_token_logits_rows_and_sampling_agree():
     npt.assert_allclose(outs[False][1], outs[True][1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_step_compiles_with_the_configured_command_buffers(monkeypatch):
     """RunnerConfig.command_buffers reaches XLA: every bucket's step (its forward and its
     sampling executable) is compiled with the options of ``COMMAND_BUFFERS[name]`` (None for XLA's defaults), and a runner compiled

@@ -20,6 +20,10 @@ RC = RunnerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=384,
 CACHE_PAGES = 64
 
 
+# every test here uses the module-scoped ``runner``: one xdist worker warms it up, once
+pytestmark = pytest.mark.xdist_group("serving_e2e_runner")
+
+
 @pytest.fixture(scope="module")
 def runner():
     r = ModelRunner(MC, RC, num_pages=CACHE_PAGES, seed=1, attention_impl="reference", debug=True)
