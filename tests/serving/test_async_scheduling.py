@@ -29,6 +29,9 @@ from jax_msa_runner.serving.tool_grammar import structured_output_grammar
 
 from test_server import wait_idle
 
+# the module-scoped fixtures (a warmed-up runner or server) are built once, on one xdist worker
+pytestmark = pytest.mark.xdist_group("async_scheduling")
+
 MC = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), num_heads=4, head_dim=32,
                       rotary_dim=16, index_dim=32)
 RC = RunnerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=384,

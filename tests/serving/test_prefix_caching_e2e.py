@@ -17,6 +17,9 @@ from jax_msa_runner.serving.runner import ModelRunner, serve
 from jax_msa_runner.serving.sampling import SamplingParams
 from jax_msa_runner.serving.scheduler import Request, Scheduler
 
+# the module-scoped fixtures (a warmed-up runner or server) are built once, on one xdist worker
+pytestmark = pytest.mark.xdist_group("prefix_caching_e2e")
+
 MC = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), num_heads=4, head_dim=32,
                       rotary_dim=16, index_dim=32)
 RC = RunnerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2560,
