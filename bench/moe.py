@@ -570,16 +570,6 @@ def print_row(r: dict, claims: bool) -> None:
 
 # --------------------------------------------------------------------------- main
 
-def _int_list(text: str, flag: str, parser) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        parser.error(f"{flag}: expected comma-separated integers, got {text!r}")
-    if any(v < 1 for v in vals):
-        parser.error(f"{flag}: every value must be >= 1, got {text!r}")
-    return vals
-
-
 def _names(text: str, flag: str, allowed, parser) -> tuple[str, ...]:
     vals = tuple(text.split(","))
     bad = sorted(set(vals) - set(allowed))
@@ -594,9 +584,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=_common.positive_int, default=2,
                    help="interleaved rounds of every side (default 2)")
     p.add_argument("--kinds", default=",".join(KINDS), help="comma list among decode, prefill")
-    p.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)),
+    p.add_argument("--batches", type=_common.int_list(), default=DECODE_BATCHES,
                    help="decode: comma list of B (default 1,16,64,256)")
-    p.add_argument("--prefill-batches", default=",".join(map(str, PREFILL_BATCHES)),
+    p.add_argument("--prefill-batches", type=_common.int_list(), default=PREFILL_BATCHES,
                    help="prefill: comma list of B (default 2048,4096)")
     p.add_argument("--formats", default=",".join(FORMATS),
                    help="comma list among bf16, mxfp8, block128 (default all)")
@@ -615,8 +605,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.kinds = _names(args.kinds, "--kinds", KINDS, p)
     args.formats = _names(args.formats, "--formats", FORMATS, p)
-    args.batches = _int_list(args.batches, "--batches", p)
-    args.prefill_batches = _int_list(args.prefill_batches, "--prefill-batches", p)
     if not _common.ON_GPU and not args.dry_run:
         p.error("no GPU backend: run on the GPU machine, or pass --dry-run")
     return args

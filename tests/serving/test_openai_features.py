@@ -21,6 +21,8 @@ from jax_msa_runner.serving.scheduler import Scheduler
 from jax_msa_runner.serving.server import ServerThread, build_app
 from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
 
+from test_server import served_alone
+
 MC = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), num_heads=4, head_dim=32,
                       rotary_dim=16, index_dim=32)
 RC = RunnerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=1024,
@@ -32,17 +34,6 @@ SAMPLED = SamplingParams(temperature=1.0, top_p=0.95)
 ECHO_PROMPT = "An echoed prompt of seventy characters, prefilled in three chunks: ok."
 
 
-def _offline(runner, cases):
-    """Token ids of each (prompt ids, GenerationParams) on the runner alone."""
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
-                                      max_model_len=256, num_pages=runner.num_pages))
-    for i, (prompt, params) in enumerate(cases):
-        sched.add_request(make_request(i, prompt, params, seed=params.seed or 0,
-                                       eos_token_ids=()))
-    serve(runner, sched)
-    return [list(sched.finished[i].output) for i in range(len(cases))]
-
-
 @pytest.fixture(scope="module")
 def live():
     runner = ModelRunner(MC, RC, num_pages=2 + 24, seed=3, attention_impl="reference")
@@ -50,7 +41,9 @@ def live():
     seeded = [(TOK.encode(PROMPT), GenerationParams(max_tokens=8, seed=77 + i, sampling=SAMPLED))
               for i in range(3)]
     greedy = [(TOK.encode("bias"), GenerationParams(max_tokens=6))]
-    ref = _offline(runner, seeded + greedy)
+    ref = served_alone(runner, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                                  max_model_len=256, num_pages=runner.num_pages),
+                          seeded + greedy)
     ref_rc = RunnerConfig(max_num_seqs=1, max_num_batched_tokens=128, max_model_len=256,
                           bucket_sizes=(128,))
     every = ModelRunner(MC, ref_rc, num_pages=2 + 2, seed=3, attention_impl="reference",

@@ -20,14 +20,13 @@ import openai
 import pytest
 
 from jax_msa_runner.config import ModelConfig, RunnerConfig, SchedulerConfig
-from jax_msa_runner.serving.engine import Engine, GenerationParams, make_request
-from jax_msa_runner.serving.runner import ModelRunner, serve
+from jax_msa_runner.serving.engine import Engine, GenerationParams
+from jax_msa_runner.serving.runner import ModelRunner
 from jax_msa_runner.serving.sampling import SamplingParams
-from jax_msa_runner.serving.scheduler import Scheduler
 from jax_msa_runner.serving.server import ServerThread, build_app
 from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
 
-from test_server import wait_idle
+from test_server import drop_mid_stream, served_alone, wait_idle
 
 # the module-scoped fixtures (a warmed-up runner or server) are built once, on one xdist worker
 pytestmark = pytest.mark.xdist_group("prefix_cache_server")
@@ -55,15 +54,6 @@ KEEP = [SHARED[i % 3] + ids(5 + 7 * i) for i in range(8)]
 DROP = [SHARED[i % 3] + ids(3 + i) for i in range(12)]
 
 
-def _offline(runner, cases):
-    sched = Scheduler(SchedulerConfig.from_runner(RC, RUNNER_PAGES, enable_prefix_caching=False))
-    for i, (prompt, params) in enumerate(cases):
-        sched.add_request(make_request(i, prompt, params, seed=params.seed or 0,
-                                       eos_token_ids=()))
-    serve(runner, sched)
-    return [list(sched.finished[i].output) for i in range(len(cases))]
-
-
 @pytest.fixture(scope="module")
 def live():
     runner = ModelRunner(MC, RC, num_pages=RUNNER_PAGES, seed=5, attention_impl="reference",
@@ -73,7 +63,8 @@ def live():
              + [(COPIES, GenerationParams(max_tokens=6, seed=11 + i, sampling=SEEDED))
                 for i in range(3)]
              + [(p, GenerationParams(max_tokens=12)) for p in KEEP])
-    ref = _offline(runner, cases)
+    ref = served_alone(runner, SchedulerConfig.from_runner(RC, RUNNER_PAGES,
+                                                              enable_prefix_caching=False), cases)
     engine = Engine(runner, SchedulerConfig.from_runner(RC, SERVER_PAGES), TOK, max_queue=64,
                     model_tag="test").start()
     server = ServerThread(build_app(engine, model_name=MODEL)).start()
@@ -170,23 +161,12 @@ def test_load_with_disconnects_leaks_no_page(live):
             out.extend(ch.choices[0].model_extra["token_ids"])
         return out
 
-    async def drop(hc, prompt):
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0,
-                "stream": True}
-        async with hc.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            n = 0
-            async for line in r.aiter_lines():
-                n += line.startswith("data: ")
-                if n == 2:
-                    return  # gone mid-stream
-
     async def main():
         async with openai.AsyncOpenAI(base_url=live["url"] + "/v1", api_key="none",
                                       max_retries=0, timeout=300) as ac, \
                 httpx.AsyncClient(base_url=live["url"], timeout=300) as hc:
             return await asyncio.gather(*[keep(ac, p) for p in KEEP],
-                                        *[drop(hc, p) for p in DROP])
+                                        *[drop_mid_stream(hc, p, max_tokens=200, model=MODEL) for p in DROP])
 
     results = asyncio.run(main())
     snap = wait_idle(engine)

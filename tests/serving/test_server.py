@@ -157,6 +157,30 @@ def wait_idle(engine, timeout=60.0):
     raise AssertionError(f"engine not idle after {timeout}s: {engine.snapshot}")
 
 
+async def drop_mid_stream(hc: httpx.AsyncClient, prompt, *, max_tokens: int, model=MODEL):
+    """A greedy streamed completion left after its second SSE line (the connection closes)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    async with hc.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        n = 0
+        async for line in r.aiter_lines():
+            n += line.startswith("data: ")
+            if n == 2:
+                return
+
+
+def served_alone(runner, sconfig, cases) -> list[list[int]]:
+    """Token ids of each (prompt ids, GenerationParams) served by the runner alone under the
+    scheduler config ``sconfig`` (no EOS: the lengths are the requests')."""
+    sched = Scheduler(sconfig)
+    for i, (prompt, params) in enumerate(cases):
+        sched.add_request(make_request(i, prompt, params, seed=params.seed or 0,
+                                       eos_token_ids=()))
+    serve(runner, sched)
+    return [list(sched.finished[i].output) for i in range(len(cases))]
+
+
 def metric(live, name, labels=""):
     text = httpx.get(live["url"] + "/metrics").text
     for line in text.splitlines():
@@ -305,17 +329,6 @@ def test_disconnects_free_every_page_and_leave_other_streams_intact(live):
     engine, ref = live["engine"], live["ref"]
     aborts_before = metric(live, "jax_msa_requests_total", '{outcome="abort"}')
 
-    async def drop(hc: httpx.AsyncClient, prompt):
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "temperature": 0,
-                "stream": True}
-        async with hc.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            n = 0
-            async for line in r.aiter_lines():
-                n += line.startswith("data: ")
-                if n == 2:
-                    return  # leave mid-stream: the connection closes
-
     async def give_up(hc: httpx.AsyncClient, prompt):
         """A non-streamed request whose client stops waiting."""
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "temperature": 0}
@@ -327,7 +340,7 @@ def test_disconnects_free_every_page_and_leave_other_streams_intact(live):
                                       max_retries=0, timeout=300) as ac, \
                 httpx.AsyncClient(base_url=live["url"], timeout=300) as hc:
             keep = [_stream_ids(ac, p, params) for p, params in FAULT_KEEP]
-            gone = [drop(hc, p) for p in FAULT_DROP]
+            gone = [drop_mid_stream(hc, p, max_tokens=300) for p in FAULT_DROP]
             waited = [give_up(hc, p) for p in FAULT_DROP[:2]]
             return await asyncio.gather(*keep, *gone, *waited)
 
