@@ -39,7 +39,12 @@ import sys
 import numpy as np
 import torch
 
-MOE_MEMBER = "vllm/model_executor/layers/fused_moe/fused_moe.py"
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:  # run as a script from the .venv-vllm
+    sys.path.insert(0, _REPO)
+from tools.vllm_compare.vllm_ops import MOE_PACKAGE, put_on_path  # noqa: E402
+
+MOE_MEMBER = f"{MOE_PACKAGE}/fused_moe.py"
 BLOCK_SHAPE = [128, 128]  # vLLM's w8a8 block quantization of the fp8 checkpoints
 SWIGLU_BETA = 1.0  # MiniMax-M3's swigluoai: (clamp(up) + 1) * ...
 
@@ -47,12 +52,7 @@ SWIGLU_BETA = 1.0  # MiniMax-M3's swigluoai: (clamp(up) + 1) * ...
 def load(ops_dir: str) -> dict:
     """vLLM's fused-MoE modules from the ``.vllm_ops`` folder: {"fused_moe", "activation",
     "utils", "ops", "tl"}."""
-    path = os.path.abspath(ops_dir)
-    manifest = os.path.join(path, "MANIFEST.json")
-    if not os.path.isfile(manifest) or MOE_MEMBER not in json.load(open(manifest))["op_files"]:
-        raise FileNotFoundError(f"{ops_dir}: no {MOE_MEMBER}; rebuild it with `make compare-env`")
-    if path not in sys.path:
-        sys.path.insert(0, path)
+    put_on_path(ops_dir, MOE_MEMBER)
     torch.set_grad_enabled(False)
     pkg = "vllm.model_executor.layers.fused_moe"
     return {"fused_moe": importlib.import_module(f"{pkg}.fused_moe"),

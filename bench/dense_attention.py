@@ -191,13 +191,8 @@ def load_unified_attention(ops_dir: str):
     """vLLM's ``unified_attention`` from the ``.vllm_ops`` folder (tools/vllm_compare)."""
     import importlib
     import torch
-    path = os.path.abspath(ops_dir)
-    member = "vllm/v1/attention/ops/triton_unified_attention.py"
-    manifest = os.path.join(path, "MANIFEST.json")
-    if not os.path.isfile(manifest) or member not in json.load(open(manifest))["op_files"]:
-        raise FileNotFoundError(f"{ops_dir}: no {member}; rebuild it with `make compare-env`")
-    if path not in sys.path:
-        sys.path.insert(0, path)
+    from tools.vllm_compare.vllm_ops import DENSE_OPS_PACKAGE, put_on_path
+    put_on_path(ops_dir, f"{DENSE_OPS_PACKAGE}/triton_unified_attention.py")
     torch.set_grad_enabled(False)
     return importlib.import_module("vllm.v1.attention.ops.triton_unified_attention"
                                    ).unified_attention

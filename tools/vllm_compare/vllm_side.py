@@ -41,6 +41,11 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
+_REPO = str(pathlib.Path(__file__).resolve().parents[2])
+if _REPO not in sys.path:  # run as a script from the .venv-vllm
+    sys.path.insert(0, _REPO)
+from tools.vllm_compare.vllm_ops import OPS_PACKAGE, put_on_path  # noqa: E402
+
 TOPK = 16
 INIT_BLOCKS = 0
 LOCAL_BLOCKS = 1
@@ -58,11 +63,7 @@ class VllmOps(NamedTuple):
 
 def load_vllm_ops(ops_dir: str | os.PathLike) -> VllmOps:
     """Import the two vLLM op modules from ``ops_dir`` (built by vllm_ops.py)."""
-    ops_dir = str(pathlib.Path(ops_dir).resolve())
-    if not pathlib.Path(ops_dir, "vllm", "models", "minimax_m3", "common", "ops", "index_topk.py").is_file():
-        raise FileNotFoundError(f"{ops_dir}: no vLLM op folder; build it with `make compare-env`")
-    if ops_dir not in sys.path:
-        sys.path.insert(0, ops_dir)
+    put_on_path(ops_dir, f"{OPS_PACKAGE}/index_topk.py")
     it = importlib.import_module("vllm.models.minimax_m3.common.ops.index_topk")
     sa = importlib.import_module("vllm.models.minimax_m3.common.ops.sparse_attn")
     return VllmOps(it.minimax_m3_index_decode, it.minimax_m3_index_score, it.minimax_m3_index_topk,
