@@ -44,7 +44,13 @@ $(VLLM_VENV)/.hf-installed: tools/hf_reference/requirements.txt $(VLLM_VENV)/.in
 	$(VLLM_VENV)/bin/pip install -q -r tools/hf_reference/requirements.txt
 	touch $@
 
-compare-env: $(VLLM_VENV)/.installed $(VLLM_OPS)/MANIFEST.json $(VLLM_VENV)/.hf-installed
+# lm-eval 0.4.13 for the local-completions test (same venv).
+$(VLLM_VENV)/.lmeval-installed: tools/lm_eval/requirements.txt $(VLLM_VENV)/.hf-installed
+	$(VLLM_VENV)/bin/pip install -q -r tools/lm_eval/requirements.txt
+	touch $@
+
+compare-env: $(VLLM_VENV)/.installed $(VLLM_OPS)/MANIFEST.json $(VLLM_VENV)/.hf-installed \
+	$(VLLM_VENV)/.lmeval-installed
 
 compare: install compare-env
 	$(VENV)/bin/python -m tools.vllm_compare.compare --negative-control

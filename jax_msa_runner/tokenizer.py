@@ -29,7 +29,7 @@ class TextTokenizer:
     up to it (a model vocabulary padded past the tokenizer's) decode to ``<|id|>``.
     """
 
-    encode_fn: Callable[[str], list[int]]
+    encode_fn: Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> ids
     decode_fn: Callable[[list[int]], str]
     id_to_token: Callable[[int], str | None]
     known: int
@@ -43,8 +43,8 @@ class TextTokenizer:
             raise ValueError(f"token id {token_id}: must be in [0, vocab_size={self.vocab_size})")
         return int(token_id)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.encode_fn(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.encode_fn(text, add_special_tokens))
 
     def decode(self, ids) -> str:
         parts, run = [], []
@@ -161,7 +161,7 @@ def load_tokenizer(folder: str | os.PathLike, vocab_size: int | None = None
             raise ValueError(f"{path}: {known} tokens, more than the model's vocab_size="
                              f"{vocab_size}")
         return TextTokenizer(
-            encode_fn=lambda text: tok.encode(text).ids,
+            encode_fn=lambda text, special: tok.encode(text, add_special_tokens=special).ids,
             decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
             id_to_token=tok.id_to_token, known=known,
             vocab_size=known if vocab_size is None else int(vocab_size),

@@ -20,6 +20,7 @@ two enforced by a grammar over that syntax); ``<mm:think>`` reasoning comes back
 request uses seed ``seed + i``); ``logit_bias`` maps token ids (as strings) to biases in
 [-100, 100], added on the device. Not supported, and rejected when set to anything but their
 default: ``best_of`` other than 1, ``suffix``, functions. Unknown fields are ignored.
+``/tokenize`` and ``/detokenize`` take vLLM's bodies (lm-eval's remote tokenizer uses them).
 """
 from __future__ import annotations
 
@@ -412,6 +413,43 @@ def parse_chat(body: dict, model_name: str, tokenizer: Tokenizer) -> ParsedReque
                                  "logprobs": "top_logprobs"}, n=_choices(body),
                          tools=tools if choice != "none" else None,
                          starts_in_reasoning=thinking)
+
+
+def parse_tokenize(body: dict, model_name: str, tokenizer: Tokenizer) -> tuple[str, bool]:
+    """/tokenize (vLLM's): ``prompt`` (a string) or ``messages`` (rendered as
+    /v1/chat/completions renders them, ``tools`` and ``chat_template_kwargs`` included);
+    ``model`` optional; ``add_special_tokens`` (default: true for a prompt, false for messages,
+    whose template writes its own). Returns (text, add_special_tokens)."""
+    if body.get("model") is not None:
+        check_model(body, model_name)
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise bad_request("prompt", "exactly one of prompt and messages is required",
+                          "missing_required_parameter")
+    if has_messages:
+        text = parse_chat({**body, "model": model_name}, model_name, tokenizer).prompt_text
+    elif not isinstance(body["prompt"], str):
+        raise bad_request("prompt", f"must be a string, got {type(body['prompt']).__name__}",
+                          "invalid_type")
+    else:
+        text = body["prompt"]
+    return text, _boolean(body, "add_special_tokens", not has_messages)
+
+
+def parse_detokenize(body: dict, model_name: str, vocab_size: int) -> list[int]:
+    """/detokenize (vLLM's): ``tokens``, a list of ids in [0, vocab_size); ``model`` optional."""
+    if body.get("model") is not None:
+        check_model(body, model_name)
+    tokens = body.get("tokens", _MISSING)
+    if tokens is _MISSING or tokens is None:
+        raise bad_request("tokens", "is required", "missing_required_parameter")
+    ids = _token_ids(tokens)
+    if ids is None:
+        raise bad_request("tokens", "must be a list of integer token ids", "invalid_type")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request("tokens", f"token id {bad[0]} is outside [0, vocab_size={vocab_size})")
+    return ids
 
 
 # ---- responses --------------------------------------------------------------------------------

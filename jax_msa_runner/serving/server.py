@@ -3,7 +3,10 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent
 events with ``"stream": true``: one ``data:`` line per chunk, ``data: [DONE]`` last),
 ``GET /v1/models``, ``GET /health`` (503 once the engine thread has died), ``GET /metrics``
-(Prometheus text). A bad request gets a 400 with an OpenAI-style error body naming the
+(Prometheus text), and vLLM's tokenizer routes: ``POST /tokenize`` (a prompt or chat
+messages -> ``tokens``, ``count``, ``max_model_len``), ``POST /detokenize`` (``tokens`` ->
+``prompt``), ``GET /tokenizer_info`` (the special tokens, ``vocab_size``,
+``model_max_length``), which lm-eval's ``local-completions`` model tokenizes with. A bad request gets a 400 with an OpenAI-style error body naming the
 field; a full queue a 503. A client that disconnects (mid-stream, or while waiting for a
 non-streamed answer) has its request aborted, which frees its KV pages.
 
@@ -30,7 +33,8 @@ from jax_msa_runner.serving.openai_protocol import (APIError, ParsedRequest, bad
                                                     chat_choice, chat_logprobs, completion_choice,
                                                     echo_logprobs,
                                                     completion_logprobs, envelope, parse_chat,
-                                                    parse_completion, parse_json_object, usage)
+                                                    parse_completion, parse_detokenize,
+                                                    parse_json_object, parse_tokenize, usage)
 from jax_msa_runner.serving.m3_output import (ReasoningStream, ToolCallStream,
                                               parse_tool_calls, split_reasoning)
 from jax_msa_runner.serving.sampling import SamplingParamError
@@ -85,6 +89,26 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        text, special = parse_tokenize(parse_json_object(await request.body()), model_name,
+                                       tokenizer)
+        ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=special)
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        ids = parse_detokenize(parse_json_object(await request.body()), model_name,
+                               tokenizer.vocab_size)
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, ids)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        special = dict(tokenizer.special_tokens)
+        return {"tokenizer_class": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size,
+                "model_max_length": max_model_len, "eos_token": special.get("eos_token"),
+                "bos_token": special.get("bos_token"), "pad_token": special.get("pad_token")}
 
     async def submit(parsed: ParsedRequest) -> tuple[list[RequestStream], list[int]]:
         """The request's ``n`` copies in the engine (copy i of a seeded request: seed + i),

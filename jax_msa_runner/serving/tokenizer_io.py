@@ -34,8 +34,9 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 class Tokenizer(Protocol):
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    special_tokens: tuple[tuple[str, str], ...]  # (name, text), e.g. ("eos_token", "</s>")
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -48,6 +49,7 @@ class ByteTokenizer:
     """UTF-8 bytes as ids 0..255; ids up to ``vocab_size - 1`` decode to ``<|id|>``."""
 
     eos_token_ids = ()  # no end-of-sequence token: generations end at max_tokens or a stop
+    special_tokens = ()
 
     def __init__(self, vocab_size: int):
         if vocab_size < NUM_BYTES:
@@ -55,8 +57,8 @@ class ByteTokenizer:
                              f"got {vocab_size}")
         self.vocab_size = int(vocab_size)
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # no special tokens to add
 
     def _check(self, token_id: int) -> int:
         if not 0 <= token_id < self.vocab_size:

@@ -2,11 +2,16 @@
 copies (streamed and not, seeded copies repeat and equal the offline runner with seed
 ``seed + i``), ``logit_bias`` applied on the device, ``echo`` with prompt logprobs (against
 the log-softmax of every token's logits from a runner that returns them, on a prompt
-prefilled in three chunks), and ``/metrics``'s compilation counter (0 while serving). A random tiny model: every guarantee checked here comes from the server,
+prefilled in three chunks), ``/metrics``'s compilation counter (0 while serving), the tokenizer
+routes, and lm-eval's ``local-completions`` model running a loglikelihood task against it. A random tiny model: every guarantee checked here comes from the server,
 not from what the model happens to prefer.
 """
+import json
+import os
 import re
+import subprocess
 
+import chex
 import httpx
 import jax
 import numpy as np
@@ -21,6 +26,7 @@ from jax_msa_runner.serving.scheduler import Scheduler
 from jax_msa_runner.serving.server import ServerThread, build_app
 from jax_msa_runner.serving.tokenizer_io import ByteTokenizer
 
+from _hf_env import REF_PYTHON, check_lm_eval_env
 from test_server import served_alone
 
 MC = ModelConfig.tiny(num_layers=2, sparse_attention_freq=(0, 1), num_heads=4, head_dim=32,
@@ -311,3 +317,81 @@ def test_reasoning_is_separated_streamed_or_not(live):
                     "structured_outputs": {"regex": "[a-z]{5}"}})
     assert re.fullmatch("[a-z]{5}", thinking.choices[0].message.reasoning_content)
     assert thinking.choices[0].message.content == ""
+
+
+def test_tokenize_routes_round_trip_and_name_bad_fields(live):
+    url = live["url"]
+    ids = TOK.encode(ECHO_PROMPT)
+    r = httpx.post(f"{url}/tokenize", json={"prompt": ECHO_PROMPT, "add_special_tokens": False})
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": 1024,
+                                                  "tokens": ids}
+    chat = httpx.post(f"{url}/tokenize", json={"model": MODEL, "messages": ASK}).json()
+    assert chat["tokens"] == TOK.encode(TOK.apply_chat_template(ASK))
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json() == {"prompt": ECHO_PROMPT}
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert info == {"tokenizer_class": "ByteTokenizer", "vocab_size": MC.vocab_size,
+                    "model_max_length": 1024, "eos_token": None, "bos_token": None,
+                    "pad_token": None}
+    for route, body, param in (("tokenize", {}, "prompt"),
+                               ("tokenize", {"prompt": [1, 2]}, "prompt"),
+                               ("tokenize", {"prompt": "a", "messages": ASK}, "prompt"),
+                               ("tokenize", {"prompt": "a", "model": "other"}, "model"),
+                               ("detokenize", {"tokens": [1, MC.vocab_size]}, "tokens"),
+                               ("detokenize", {"tokens": "abc"}, "tokens")):
+        r = httpx.post(f"{url}/{route}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, r.text)
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+
+
+LM_EVAL_TASK = """task: jax_msa_echo
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{continuation}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_eval_local_completions_loglikelihood(live, tmp_path):
+    """lm-eval's ``local-completions`` model (tokenizing through /tokenize) runs a
+    loglikelihood task from a local jsonl against the server; every loglikelihood and
+    is-greedy flag equals the log-softmax reference of the prompt's logits."""
+    check_lm_eval_env()
+    ids, ref = TOK.encode(ECHO_PROMPT), live["prompt_lp"]
+    spans = [(2, 70), (9, 31), (38, 39), (55, 68)]  # (context end, continuation end)
+    # and one greedy continuation: the model's argmax after a prefix, a printable byte
+    g = next(k for k in range(1, len(ids))
+             if 0x21 <= int(ref[k - 1].argmax()) < 0x7F and ECHO_PROMPT[k - 1] != " ")
+    top = int(ref[g - 1].argmax())
+    assert all(ECHO_PROMPT[k - 1] != " " for k, _ in spans)  # lm-eval moves trailing spaces
+    docs = [{"context": ECHO_PROMPT[:k], "continuation": ECHO_PROMPT[k:j]} for k, j in spans]
+    docs.append({"context": ECHO_PROMPT[:g], "continuation": chr(top)})
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "task.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
+    args = [REF_PYTHON, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
+            f"base_url={live['url']}/v1/completions,model={MODEL},tokenizer_backend=remote,"
+            f"num_concurrent=1,max_retries=1", "--tasks", "jax_msa_echo", "--include_path",
+            str(tmp_path), "--output_path", str(tmp_path / "out"), "--log_samples"]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (samples,) = tmp_path.glob("out/*/samples_jax_msa_echo_*.jsonl")
+    got = sorted((json.loads(line) for line in samples.read_text().splitlines()),
+                 key=lambda s: s["doc_id"])
+    want_ll = [sum(float(ref[t - 1, ids[t]]) for t in range(k, j)) for k, j in spans]
+    want_greedy = [all(int(ref[t - 1].argmax()) == ids[t] for t in range(k, j)) for k, j in spans]
+    want_ll.append(float(ref[g - 1, top]))
+    want_greedy.append(True)
+    chex.assert_trees_all_close([float(s["resps"][0][0][0]) for s in got], want_ll, atol=1e-2)
+    assert [s["resps"][0][0][1] for s in got] == [str(g) for g in want_greedy]  # logged as text
+    (results,) = tmp_path.glob("out/*/results_*.json")
+    metrics = json.loads(results.read_text())["results"]["jax_msa_echo"]
+    chex.assert_trees_all_close(metrics["acc,none"], float(np.mean(want_greedy)), atol=1e-6)
