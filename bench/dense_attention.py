@@ -51,7 +51,6 @@ import _common  # noqa: E402  (first: repo root on sys.path, known warnings)
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 

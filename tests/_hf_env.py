@@ -13,23 +13,24 @@ TRANSFORMERS_VERSION = "5.23.0"
 LM_EVAL_VERSION = "0.4.13"
 
 
-def check_reference_env() -> None:
-    """pytest.fail unless REF_PYTHON runs transformers==TRANSFORMERS_VERSION."""
+def _require(dist: str, version: str, imports: str, requirements: str) -> None:
+    """pytest.fail unless REF_PYTHON exists, imports ``imports`` and has ``dist==version``."""
     if not os.path.exists(REF_PYTHON):
-        pytest.fail(f"{REF_PYTHON} is missing: the transformers reference env is built by "
-                    f"`make compare-env` (then transformers=={TRANSFORMERS_VERSION} from "
-                    f"tools/hf_reference/requirements.txt)")
-    probe = subprocess.run([REF_PYTHON, "-c", "import transformers, torch; "
-                            "print(transformers.__version__)"], capture_output=True, text=True)
-    if probe.returncode != 0 or probe.stdout.strip() != TRANSFORMERS_VERSION:
-        pytest.fail(f"{REF_PYTHON} lacks transformers=={TRANSFORMERS_VERSION} "
+        pytest.fail(f"{REF_PYTHON} is missing: the reference env is built by `make compare-env` "
+                    f"(then {dist}=={version} from {requirements})")
+    probe = subprocess.run([REF_PYTHON, "-c", f"import {imports}; import importlib.metadata as m; "
+                            f"print(m.version({dist!r}))"], capture_output=True, text=True)
+    if probe.returncode != 0 or probe.stdout.strip() != version:
+        pytest.fail(f"{REF_PYTHON} lacks {dist}=={version} "
                     f"({probe.stdout.strip() or probe.stderr.strip()[-300:]}): run `make compare-env`")
+
+
+def check_reference_env() -> None:
+    """pytest.fail unless REF_PYTHON runs transformers==TRANSFORMERS_VERSION (and torch)."""
+    _require("transformers", TRANSFORMERS_VERSION, "transformers, torch",
+             "tools/hf_reference/requirements.txt")
 
 
 def check_lm_eval_env() -> None:
     """pytest.fail unless REF_PYTHON runs lm-eval==LM_EVAL_VERSION."""
-    probe = subprocess.run([REF_PYTHON, "-c", "import importlib.metadata as m; "
-                            "print(m.version('lm_eval'))"], capture_output=True, text=True)
-    if probe.returncode != 0 or probe.stdout.strip() != LM_EVAL_VERSION:
-        pytest.fail(f"{REF_PYTHON} lacks lm-eval=={LM_EVAL_VERSION} "
-                    f"({probe.stdout.strip() or probe.stderr.strip()[-300:]}): run `make compare-env`")
+    _require("lm_eval", LM_EVAL_VERSION, "lm_eval", "tools/lm_eval/requirements.txt")

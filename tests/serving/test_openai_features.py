@@ -3,8 +3,9 @@ copies (streamed and not, seeded copies repeat and equal the offline runner with
 ``seed + i``), ``logit_bias`` applied on the device, ``echo`` with prompt logprobs (against
 the log-softmax of every token's logits from a runner that returns them, on a prompt
 prefilled in three chunks), ``/metrics``'s compilation counter (0 while serving), the tokenizer
-routes, and lm-eval's ``local-completions`` model running a loglikelihood task against it. A random tiny model: every guarantee checked here comes from the server,
-not from what the model happens to prefer.
+routes, and lm-eval's ``local-completions`` model running a loglikelihood task against it. A
+random tiny model: every guarantee checked here comes from the server, not from what the model
+happens to prefer.
 """
 import json
 import os
@@ -391,7 +392,7 @@ def test_lm_eval_local_completions_loglikelihood(live, tmp_path):
     want_ll.append(float(ref[g - 1, top]))
     want_greedy.append(True)
     chex.assert_trees_all_close([float(s["resps"][0][0][0]) for s in got], want_ll, atol=1e-2)
-    assert [s["resps"][0][0][1] for s in got] == [str(g) for g in want_greedy]  # logged as text
+    assert [s["resps"][0][0][1] for s in got] == [str(w) for w in want_greedy]  # logged as text
     (results,) = tmp_path.glob("out/*/results_*.json")
     metrics = json.loads(results.read_text())["results"]["jax_msa_echo"]
     chex.assert_trees_all_close(metrics["acc,none"], float(np.mean(want_greedy)), atol=1e-6)

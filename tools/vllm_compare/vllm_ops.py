@@ -62,17 +62,16 @@ def op_members() -> list[str]:
             + [f"{MOE_PACKAGE}/{n}" for n in MOE_OP_FILES])
 
 
-def put_on_path(ops_dir, member: str) -> str:
+def put_on_path(ops_dir, member: str) -> None:
     """Check that the op folder ``ops_dir`` (built by this script) holds ``member`` (a path of
     ``op_members()``) and put the folder first on ``sys.path``, so ``import vllm...`` finds its
-    copies; returns the folder's absolute path."""
+    copies."""
     path = str(pathlib.Path(ops_dir).resolve())
     manifest = pathlib.Path(path, MANIFEST)
     if not manifest.is_file() or member not in json.loads(manifest.read_text())["op_files"]:
         raise FileNotFoundError(f"{ops_dir}: no {member}; rebuild it with `make compare-env`")
     if path not in sys.path:
         sys.path.insert(0, path)
-    return path
 
 
 def config_members(names) -> list[str]:
