@@ -237,8 +237,10 @@ def slot_bound(copies: int, num_experts: int, tile: int) -> int:
 
 
 def aligned_rows(copies: int, num_experts: int, align: int) -> int:
-    """Most rows the copies take when each expert's group starts at a multiple of ``align``."""
-    return copies + (align - 1) * min(num_experts, copies)
+    """Most rows the copies take when each expert's group starts at a multiple of ``align``,
+    rounded up to a multiple of ``align`` (Mosaic GPU tiles a buffer's rows by 8)."""
+    rows = copies + (align - 1) * min(num_experts, copies)
+    return -(-rows // align) * align
 
 
 class CopyGroups(NamedTuple):

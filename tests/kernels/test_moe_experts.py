@@ -342,6 +342,20 @@ def test_both_kernels_lower_and_fit_at_serving_shapes(fmt):
                                        p.down_stages) <= SMEM_BYTES
 
 
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_kernels_lower_at_copy_counts_not_multiples_of_8(kernel, name):
+    """The compiled kernels lower at the interpret tests' sizes (22 and 39 copies; T = 5 at
+    serving shapes: 20 copies over 16 experts): Mosaic GPU tiles the routed rows by 8, which
+    the interpreter does not check."""
+    x, weights, experts, mask, gu, dn, first = _case(name, "mxfp8", 0)
+    text = lower_for_cuda(KERNELS[kernel], x, weights, experts, mask, gu, dn, first,
+                          interpret=False, **TUNABLES[kernel, name], **KW)
+    assert custom_call_counts(text)["mosaic"] >= 1, (kernel, name)
+    text = lower_for_cuda(KERNELS[kernel], *_specs(5, "dense"), interpret=False, **KW)
+    assert custom_call_counts(text)["mosaic"] >= 1, (kernel, 5)
+
+
 # --------------------------------------------------------------------------- bad inputs
 
 def _good(fmt="dense"):
