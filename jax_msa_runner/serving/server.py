@@ -7,8 +7,9 @@ events with ``"stream": true``: one ``data:`` line per chunk, ``data: [DONE]`` l
 messages -> ``tokens``, ``count``, ``max_model_len``), ``POST /detokenize`` (``tokens`` ->
 ``prompt``), ``GET /tokenizer_info`` (the special tokens, ``vocab_size``,
 ``model_max_length``), which lm-eval's ``local-completions`` model tokenizes with. A bad
-request gets a 400 with an OpenAI-style error body naming the field; a full queue a 503. A client that disconnects (mid-stream, or while waiting for a
-non-streamed answer) has its request aborted, which frees its KV pages.
+request gets a 400 with an OpenAI-style error body naming the field; a full queue a 503. A
+client that disconnects (mid-stream, or while waiting for a non-streamed answer) has its
+request aborted, which frees its KV pages.
 
 ``ServerThread`` runs uvicorn on an already bound socket in a background thread (tests,
 benchmarks); ``jax-msa-runner serve`` runs it in the foreground.
