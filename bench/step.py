@@ -33,19 +33,25 @@ executables, ``--command-buffers`` as the runner serves), and measures:
 - step time: median wall time of ``--steps`` consecutive ``ModelRunner.execute_step`` calls
   on the same scheduled batch (host packing, the transfer of its one int32 buffer, the
   forward and sampling executables, the sampled tokens back on the host): the real step path.
-- the split by op family, from XLA's profiler: ``--profile-steps`` more steps inside
-  ``jax.profiler.trace``; every XLA op event of the trace (GPU: the kernels and copies on the
-  device's streams; CPU: XLA:CPU's thunks) is mapped to its HLO instruction in the two
-  compiled executables, and through the instruction's ``op_name`` metadata to the innermost
-  ``jax.named_scope`` of ``jax_msa_runner.model``: attention_dense, attention_msa (cache
+- pipelined step time: median wall time per step of ``--steps`` steps each launched
+  (``launch_step``) before the previous one is read (``finish_step``), as the engine's
+  asynchronous scheduling serves; launch time: the median host time of ``launch_step`` (the
+  host's part of a step before the device runs on its own).
+- the split by op family, from XLA's profiler: the bucket is compiled again without command
+  buffers (inside a command buffer every kernel carries the buffer's name, not its op's),
+  ``--profile-steps`` steps through it inside ``jax.profiler.trace``; every XLA op event of
+  the trace (GPU: the kernels and copies on the device's streams; CPU: XLA:CPU's thunks) is
+  mapped to its HLO instruction in the two compiled executables, and through the instruction's
+  ``op_name`` metadata to the innermost ``jax.named_scope`` of ``jax_msa_runner.model``: attention_dense, attention_msa (cache
   writes, indexer, top-16 select, sparse attention), moe (router, routed and shared experts),
   projections (q/k/v/o and index linears, the dense MLP, the LM head), norms (RMSNorms with
   the q/k RoPE), other (embedding, residuals, staging, sampling, copies without an HLO op).
   An XLA fusion counts for its root op's scope. Device time = the sum of those events per step;
   on a GPU the kernels of one stream, on XLA:CPU thunks that may overlap on its threads.
-  While profiling, XLA launches the kernels one by one (no command buffers).
+  "step_ms_off" (JSON) is the wall time of a step through those executables.
 - host gap = step time - device time: what the step spends outside device work (host
-  packing, dispatch, transfers, launch gaps; negative where CPU thunks overlap).
+  packing, dispatch, transfers, launch gaps; negative where CPU thunks overlap); the pipelined
+  gap likewise from the pipelined step time.
 - the roofline of the same shape (``step_cost``): bytes = weights read (every linear of every
   layer, the routed experts this rank's tokens touch, their expected number under uniform
   routing, E_local * (1 - (1 - k / E) ^ T), the router, the LM head, embedding rows) + caches
@@ -307,57 +313,100 @@ def free_device_bytes() -> int | None:
     return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
-def executable_ops(runner: ModelRunner) -> tuple[dict[str, dict], str]:
-    """({module name: hlo_ops table} of the runner's one bucket's forward and sampling
-    executables, the sampling module's name). Reads ``runner._compiled`` (the warm-up's
-    executables: the ones ``execute_step`` runs)."""
-    (forward, sampling), = runner._compiled.values()
+def executable_ops(executables: tuple) -> tuple[dict[str, dict], str]:
+    """({module name: hlo_ops table} of a bucket's (forward, sampling) executables, the
+    sampling module's name)."""
+    forward, sampling = executables
     f_name, f_ops = _common.hlo_ops(forward.as_text())
     s_name, s_ops = _common.hlo_ops(sampling.as_text())
     return {f_name: f_ops, s_name: s_ops}, s_name
+
+
+def launch_and_pipelined_ms(runner: ModelRunner, batches: list[ScheduledBatch], steps: int
+                            ) -> tuple[float, float]:
+    """(median host ms of ``launch_step`` over ``steps`` rounds of ``batches``: the host's
+    part of a step until the device runs on its own; median wall ms per round with each
+    step launched before the previous one is read, as the engine's async scheduling runs)."""
+    launch, rounds = [], []
+    prev = runner.launch_step(batches[0])
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        for b in batches:
+            t1 = time.perf_counter()
+            handle = runner.launch_step(b)
+            launch.append(time.perf_counter() - t1)
+            runner.finish_step(prev)
+            prev = handle
+        if i:  # the first round fills the pipeline
+            rounds.append(time.perf_counter() - t0)
+    runner.finish_step(prev)
+    return statistics.median(launch) * 1e3, statistics.median(rounds) * 1e3
+
+
+def profiled_split(runner: ModelRunner, bucket, batches: list[ScheduledBatch],
+                   profile_steps: int) -> dict:
+    """``split_by_family`` of ``profile_steps`` rounds of ``batches`` run through the
+    bucket's executables compiled again without command buffers (so the trace names every
+    kernel's HLO op), plus "step_ms_off": the median wall ms of a round through them; the
+    served executables are put back after."""
+    served = runner._compiled[bucket]
+    off = runner.compile_bucket(bucket, "off")
+    modules, sampling_module = executable_ops(off)
+    runner._compiled[bucket] = off
+
+    def run():
+        for b in batches:
+            runner.execute_step(b)
+    try:
+        walls = _common.host_latency_s(run, repeats=max(3, profile_steps), warmup=1)
+        events = _common.profile_op_events(run, calls=profile_steps)
+    finally:
+        runner._compiled[bucket] = served
+    split = split_by_family(events, modules, sampling_module, profile_steps)
+    split["step_ms_off"] = statistics.median(walls) * 1e3
+    return split
 
 
 def measure_point(runner: ModelRunner, point: Point, mc: ModelConfig, *, pages: int,
                   steps: int, profile_steps: int, rng, num_local: int, weights: str,
                   copy_Bps: float, flops_per_s: float) -> dict:
     """One row of the table (module docstring)."""
-    modules, sampling_module = executable_ops(runner)
     if point.kind == "ttft":
         batches = [scheduled_batch(point, c, pages, mc.vocab_size, rng)
                    for c in range(0, point.context, point.tokens)]
+    else:
+        batches = [scheduled_batch(point, None, pages, mc.vocab_size, rng)]
 
-        def run():
-            for b in batches:
-                runner.execute_step(b)
-        walls = _common.host_latency_s(run, repeats=steps, warmup=1)
-        events = _common.profile_op_events(run, calls=profile_steps)
-        split = split_by_family(events, modules, sampling_module, profile_steps)
-        costs = [step_cost(mc, num_local=num_local, weights=weights, computed=b.num_computed,
-                           scheduled=b.num_scheduled) for b in batches]
-        ttft_ms = statistics.median(walls) * 1e3
+    def run():
+        for b in batches:
+            runner.execute_step(b)
+    walls = _common.host_latency_s(run, repeats=steps, warmup=1)
+    launch_ms, pipelined_ms = launch_and_pipelined_ms(runner, batches, steps)
+    (bucket,) = runner._compiled
+    split = profiled_split(runner, bucket, batches, profile_steps)
+    costs = [step_cost(mc, num_local=num_local, weights=weights, computed=b.num_computed,
+                       scheduled=b.num_scheduled) for b in batches]
+    step_ms = statistics.median(walls) * 1e3
+    row = {"name": point.name, "kind": point.kind, "step_ms": step_ms,
+           "samples_ms": [w * 1e3 for w in walls], "launch_ms": launch_ms,
+           "pipelined_ms": pipelined_ms, **split,
+           "host_gap_ms": step_ms - split["device_ms"],
+           "pipelined_gap_ms": pipelined_ms - split["device_ms"]}
+    if point.kind == "ttft":
         roof = {k: sum(roofline(c, copy_Bps, flops_per_s)[k] for c in costs)
                 for k in ("bytes", "flops", "memory_ms", "compute_ms", "ms")}
         roof["bound"] = "chunks summed"
-        return {"name": point.name, "kind": point.kind, "batch": 1, "context": point.context,
-                "tokens": point.tokens, "chunks": len(batches), "ttft_ms": ttft_ms,
-                "step_ms": ttft_ms, "samples_ms": [w * 1e3 for w in walls], **split,
-                "host_gap_ms": ttft_ms - split["device_ms"], "roofline": roof,
-                "pct_roofline": 100 * roof["ms"] / ttft_ms,
-                "tokens_per_s": point.context / (ttft_ms / 1e3)}
-    batch = scheduled_batch(point, None, pages, mc.vocab_size, rng)
-    walls = _common.host_latency_s(lambda: runner.execute_step(batch), repeats=steps, warmup=1)
-    events = _common.profile_op_events(lambda: runner.execute_step(batch), calls=profile_steps)
-    split = split_by_family(events, modules, sampling_module, profile_steps)
-    cost = step_cost(mc, num_local=num_local, weights=weights, computed=batch.num_computed,
-                     scheduled=batch.num_scheduled)
-    roof = roofline(cost, copy_Bps, flops_per_s)
-    step_ms = statistics.median(walls) * 1e3
-    return {"name": point.name, "kind": point.kind, "batch": point.batch,
-            "context": point.context, "tokens": int(batch.num_scheduled.sum()),
-            "step_ms": step_ms, "samples_ms": [w * 1e3 for w in walls], **split,
-            "host_gap_ms": step_ms - split["device_ms"], "cost": cost, "roofline": roof,
-            "pct_roofline": 100 * roof["ms"] / step_ms,
-            "tokens_per_s": int(batch.num_scheduled.sum()) / (step_ms / 1e3)}
+        row.update(batch=1, context=point.context, tokens=point.tokens, chunks=len(batches),
+                   ttft_ms=step_ms, tokens_per_s=point.context / (step_ms / 1e3))
+    else:
+        (cost,) = costs
+        roof = roofline(cost, copy_Bps, flops_per_s)
+        tokens = int(batches[0].num_scheduled.sum())
+        row.update(batch=point.batch, context=point.context, tokens=tokens, cost=cost,
+                   tokens_per_s=tokens / (step_ms / 1e3))
+    row.update(roofline=roof, pct_roofline=100 * roof["ms"] / step_ms,
+               pct_roofline_pipelined=100 * roof["ms"] / pipelined_ms)
+    return row
 
 
 def build_runner(mc: ModelConfig, params: dict, group: Group, command_buffers: str
@@ -381,16 +430,19 @@ def _ms(v) -> str:
 
 def table(rows: list[dict]) -> str:
     """The markdown table: step, device time and its split, host gap, roofline (ms)."""
-    head = ("| point | tokens | step ms | device ms | attn dense | attn MSA | MoE | proj | "
-            "norms | other | host gap | roofline ms (bound) | % roofline | tokens/s |")
+    head = ("| point | tokens | step ms | pipelined ms | launch ms | device ms | attn dense | "
+            "attn MSA | MoE | proj | norms | other | host gap | roofline ms (bound) | "
+            "% roofline (step / pipelined) | tokens/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         fam = r["family_ms"]
         lines.append(
-            f"| {r['name']} | {r['tokens']} | {_ms(r['step_ms'])} | {_ms(r['device_ms'])} | "
+            f"| {r['name']} | {r['tokens']} | {_ms(r['step_ms'])} | {_ms(r['pipelined_ms'])} | "
+            f"{_ms(r['launch_ms'])} | {_ms(r['device_ms'])} | "
             + " | ".join(_ms(fam[f]) for f in FAMILIES)
             + f" | {_ms(r['host_gap_ms'])} | {_ms(r['roofline']['ms'])} "
-              f"({r['roofline']['bound']}) | {r['pct_roofline']:.1f}% | "
+              f"({r['roofline']['bound']}) | {r['pct_roofline']:.1f}% / "
+              f"{r['pct_roofline_pipelined']:.1f}% | "
               f"{r['tokens_per_s']:.0f} |")
     return "\n".join(lines)
 
@@ -407,8 +459,11 @@ def markdown(result: dict) -> str:
            f"{c['attention_impl']}, command buffers {c['command_buffers']}.",
            f"Copy {result['copy']['copy_Bps'] / 1e12:.3g} TB/s, matmul "
            f"{result['matmul']['flops_per_s'] / 1e12:.3g} TFLOP/s (measured in this run). "
-           f"Times in ms; the split is the profiled device time per step by op family; host gap"
-           f" = step - device; the ttft row sums its chunks.", "", table(result["rows"]), ""]
+           f"Times in ms. step: execute_step; pipelined: per step with the next one launched "
+           f"before the previous one is read; launch: host time of launch_step. The split is "
+           f"the profiled device time per step by op family (executables compiled again "
+           f"without command buffers); host gap = step - device; the ttft row sums its "
+           f"chunks.", "", table(result["rows"]), ""]
     for r in result["rows"]:
         if r["kind"] == "ttft":
             out.append(f"TTFT of a {r['context']}-token prompt ({r['chunks']} chunks of "
@@ -545,16 +600,21 @@ def main(argv=None) -> int:
             "rank_model": dataclasses.asdict(mc)},
         "timing": {"step": f"median wall time of {steps} consecutive ModelRunner.execute_step "
                            f"calls after one warm-up call",
-                   "split": f"jax.profiler.trace of {profile_steps} more steps: XLA op events "
-                            f"mapped to named scopes through the HLO op_name metadata, per step",
+                   "pipelined": f"median wall time per step of {steps} steps, each launched "
+                                f"before the previous one is read (launch_step / finish_step)",
+                   "launch": "median host time of ModelRunner.launch_step",
+                   "split": f"jax.profiler.trace of {profile_steps} more steps through the "
+                            f"bucket's executables compiled without command buffers: XLA op "
+                            f"events mapped to named scopes through the HLO op_name metadata, "
+                            f"per step",
                    "host_gap": "step time - profiled device time per step",
                    "roofline": "max(bytes / copy, FLOPs / matmul peak), bench/step.py's "
                                "step_cost"},
         "rows": [], "skipped": []}
     json_path = os.path.join(args.out, "step.json")
     rng = np.random.default_rng(args.seed)
-    print(f"{'point':>40} {'step ms':>9} {'device':>8} {'gap':>8} {'roof':>8} {'%roof':>6}",
-          flush=True)
+    print(f"{'point':>40} {'step ms':>9} {'piped':>8} {'launch':>8} {'device':>8} {'gap':>8} "
+          f"{'roof':>8} {'%roof':>6}", flush=True)
     for group in groups:
         if args.budget_s and time.perf_counter() - t_start > args.budget_s:
             for pt in group.points:
@@ -582,7 +642,8 @@ def main(argv=None) -> int:
                                     flops_per_s=peak["flops_per_s"])
                 row["warm_up_s"] = warm_s
                 result["rows"].append(row)
-                print(f"{pt.name:>40} {row['step_ms']:9.3f} {row['device_ms']:8.3f} "
+                print(f"{pt.name:>40} {row['step_ms']:9.3f} {row['pipelined_ms']:8.3f} "
+                      f"{row['launch_ms']:8.3f} {row['device_ms']:8.3f} "
                       f"{row['host_gap_ms']:8.3f} {row['roofline']['ms']:8.3f} "
                       f"{row['pct_roofline']:5.1f}%", flush=True)
                 _common.write_json(json_path, result)

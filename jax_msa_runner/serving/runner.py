@@ -323,28 +323,38 @@ class ModelRunner:
                                        self._extras(bucket, biases, masks))
         return out, prompt, md
 
+    def compile_bucket(self, bucket: Bucket, command_buffers: str) -> tuple[Callable, Callable]:
+        """(forward, sampling) executables of ``bucket`` compiled with the XLA command
+        buffers ``command_buffers`` (a key of ``config.COMMAND_BUFFERS``); runs nothing.
+        ``warm_up`` compiles with ``rconfig.command_buffers``; a profiler may compile a
+        bucket again with "off" to see its kernels one by one."""
+        buf = self._put(self._dummy_buffer(bucket, "default", None))
+        options = xla_compile_options(command_buffers)
+        forward = _forward_jit.lower(self.params, self.caches, buf, bucket=bucket,
+                                     rconfig=self.rconfig, mconfig=self.mconfig,
+                                     attention_impl=self.attention_impl,
+                                     interpret=self.interpret, mesh=self.mesh,
+                                     all_token_logits=self.all_token_logits
+                                     ).compile(compiler_options=options)
+        row_logits, _, _, md = forward.out_info
+        sampling = _sampling_jit.lower(row_logits, md, self.penalties, buf,
+                                       self._neutral_extras(bucket), bucket=bucket
+                                       ).compile(compiler_options=options)
+        return forward, sampling
+
     def warm_up(self) -> WarmupReport:
         """Compile every bucket on its dummy batch and run it; then the profiling pass."""
         t0 = time.perf_counter()
         outs: dict[int, jax.Array] = {}  # a sampling output per R (the patches' inputs)
         with CompileCounter() as cc:
             for bucket in self.buckets:
-                buf = self._put(self._dummy_buffer(bucket, "default", None))
-                lowered = _forward_jit.lower(self.params, self.caches, buf,
-                                             bucket=bucket, rconfig=self.rconfig,
-                                             mconfig=self.mconfig,
-                                             attention_impl=self.attention_impl,
-                                             interpret=self.interpret, mesh=self.mesh,
-                                             all_token_logits=self.all_token_logits)
-                options = xla_compile_options(self.rconfig.command_buffers)
-                forward = lowered.compile(compiler_options=options)
-                # the "capture" run: the forward, then the sampling compiled on its outputs
-                row_logits, _, self.caches, md = forward(self.params, self.caches, buf)
-                extras = self._neutral_extras(bucket)
-                sampling = _sampling_jit.lower(row_logits, md, self.penalties, buf, extras,
-                                               bucket=bucket).compile(compiler_options=options)
+                forward, sampling = self.compile_bucket(bucket, self.rconfig.command_buffers)
                 self._compiled[bucket] = (forward, sampling)
-                nxt, self.penalties = sampling(row_logits, md, self.penalties, buf, extras)
+                # the "capture" run on the bucket's dummy batch
+                buf = self._put(self._dummy_buffer(bucket, "default", None))
+                row_logits, _, self.caches, md = forward(self.params, self.caches, buf)
+                nxt, self.penalties = sampling(row_logits, md, self.penalties, buf,
+                                               self._neutral_extras(bucket))
                 if self.debug:
                     validate_metadata(md, self.rconfig)
                 jax.block_until_ready(nxt)

@@ -45,6 +45,10 @@ def test_dry_run_measures_every_family_through_the_runner(tmp_path):
         assert row["scope_ms"]["sampling"] > 0 and row["scope_ms"]["lm_head"] > 0
         assert row["unattributed"] == []  # every CPU thunk maps to an HLO op of the step
         assert row["host_gap_ms"] == pytest.approx(row["step_ms"] - row["device_ms"])
+        assert row["pipelined_gap_ms"] == pytest.approx(row["pipelined_ms"] - row["device_ms"])
+        assert row["launch_ms"] > 0 and row["pipelined_ms"] > 0 and row["step_ms_off"] > 0
+        assert row["pct_roofline_pipelined"] == pytest.approx(
+            100 * row["roofline"]["ms"] / row["pipelined_ms"])
         assert row["step_ms"] == pytest.approx(float(np.median(row["samples_ms"])))
         assert 0 < row["roofline"]["ms"] and row["pct_roofline"] > 0
     decode = doc["rows"][-1]
@@ -68,6 +72,35 @@ def _tiny(**kw) -> ModelConfig:
                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=4,
                 shared_intermediate_size=4, dtype="bfloat16")
     return ModelConfig(**{**base, **kw})
+
+
+class _Recorder:
+    """A stand-in runner that logs launch_step / finish_step calls."""
+
+    def __init__(self):
+        self.log, self._n = [], 0
+
+    def launch_step(self, batch):
+        self._n += 1
+        self.log.append(("launch", batch, self._n))
+        return self._n
+
+    def finish_step(self, handle):
+        self.log.append(("read", handle))
+
+
+def test_pipelined_steps_launch_before_reading_the_previous_one():
+    rec = _Recorder()
+    launch_ms, piped_ms = step.launch_and_pipelined_ms(rec, ["a", "b"], steps=2)
+    assert launch_ms >= 0 and piped_ms >= 0
+    launches = [e[2] for e in rec.log if e[0] == "launch"]
+    reads = [e[1] for e in rec.log if e[0] == "read"]
+    assert reads == launches  # every step read once, in launch order
+    for i, e in enumerate(rec.log):
+        if e[0] == "read" and e[1] < launches[-1]:  # step n is read after step n + 1 launched
+            assert ("launch", ) == rec.log[i - 1][:1] and rec.log[i - 1][2] == e[1] + 1
+    # a warm-up launch, then 3 rounds (one fills the pipeline) of the two batches
+    assert [e[1] for e in rec.log if e[0] == "launch"] == ["a"] + ["a", "b"] * 3
 
 
 def test_step_cost_by_hand():
