@@ -9,11 +9,14 @@ e4m3 cache), head count and index dim it supports; interpreted calls (a CPU back
 Triton kernels unless ``backend`` names one.
 
 - :func:`index_backend` (indexer + select): ``"mosaic"`` (the streaming scores kernel and the
-  select, two Mosaic launches) for block tables of at most ``MAX_PAGES`` columns;
-  ``"triton"`` (one fused launch after a counter memset) otherwise.
+  select, two Mosaic launches; over ``MAX_PAGES`` columns the select is
+  :mod:`pallas_kernels.topk_select_chunked`'s two) for block tables of at most
+  ``max_chunked_pages()`` columns; ``"triton"`` (one fused launch after a counter memset)
+  otherwise.
 - :func:`scores_backend` (scores alone): Mosaic wherever it is supported, Triton otherwise.
-- :func:`select_backend` (select alone): Mosaic for ``topk`` 16 and up to ``MAX_PAGES``
-  columns at any token count, Triton otherwise.
+- :func:`select_backend` (select alone): Mosaic for ``topk`` 16 and up to
+  ``max_chunked_pages()`` columns at any token count (chunked over ``MAX_PAGES``), Triton
+  otherwise.
 """
 from __future__ import annotations
 
@@ -25,11 +28,11 @@ import jax.numpy as jnp
 from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels._shapes import TOPK
 from pallas_kernels.index_scores import msa_index_scores, validate_index_inputs
-from pallas_kernels.index_select import msa_index_select
+from pallas_kernels.index_select import msa_index_select, num_valid_pages_of
 from pallas_kernels.index_select_mgpu import (DTYPES, HEAD_DIMS, MAX_HEADS, MAX_PAGES,
-                                              msa_index_scores_mgpu, msa_index_select_mgpu,
-                                              sparse_topk_select_mgpu)
+                                              msa_index_scores_mgpu, msa_index_select_mgpu)
 from pallas_kernels.topk_select import sparse_topk_select, validate_scores
+from pallas_kernels.topk_select_chunked import max_chunked_pages, sparse_topk_select_chunked
 
 BACKENDS = ("mosaic", "triton")
 
@@ -43,7 +46,7 @@ def index_backend(max_pages: int, num_heads: int, index_dim: int, q_dtype, k_dty
                   interpreting: bool) -> str:
     """``"mosaic"`` or ``"triton"`` for an indexer + select call of ``num_heads`` index heads
     over a block table of ``max_pages`` columns (see the module docstring)."""
-    if (interpreting or max_pages > MAX_PAGES
+    if (interpreting or max_pages > max_chunked_pages()
             or not _mosaic_scores_ok(num_heads, index_dim, q_dtype, k_dtype)):
         return "triton"
     return "mosaic"
@@ -59,7 +62,7 @@ def scores_backend(num_heads: int, index_dim: int, q_dtype, k_dtype, *,
 
 def select_backend(num_tokens: int, max_pages: int, topk: int, *, interpreting: bool) -> str:
     """``"mosaic"`` or ``"triton"`` for a select call (see the module docstring)."""
-    if interpreting or topk != TOPK or max_pages > MAX_PAGES:
+    if interpreting or topk != TOPK or max_pages > max_chunked_pages():
         return "triton"
     return "mosaic"
 
@@ -90,7 +93,11 @@ def msa_index_select_default(index_q, index_k_cache, block_table, req_indices, p
     kw = dict(local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)
     args = (index_q, index_k_cache, block_table, req_indices, positions)
     if _checked(backend, BACKENDS, "msa_index_select_default") == "mosaic":
-        return msa_index_select_mgpu(*args, num_valid_pages, **kw)
+        if block_table.shape[1] <= MAX_PAGES:
+            return msa_index_select_mgpu(*args, num_valid_pages, **kw)
+        scores = msa_index_scores_mgpu(*args, interpret=interpret)
+        counts = num_valid_pages_of(positions) if num_valid_pages is None else num_valid_pages
+        return sparse_topk_select_chunked(scores, counts, **kw)
     return msa_index_select(*args, num_valid_pages, **kw)
 
 
@@ -122,7 +129,7 @@ def sparse_topk_select_default(scores, num_valid_pages, *, topk=TOPK, local_bloc
     t, _, p = scores.shape
     if backend is None:
         backend = select_backend(t, p, topk, interpreting=resolve_interpret(interpret))
-    kernel = {"mosaic": sparse_topk_select_mgpu, "triton": sparse_topk_select}[
+    kernel = {"mosaic": sparse_topk_select_chunked, "triton": sparse_topk_select}[
         _checked(backend, ("mosaic", "triton"), "sparse_topk_select_default")]
     return kernel(scores, num_valid_pages, topk=topk, local_blocks=local_blocks,
                   init_blocks=init_blocks, interpret=interpret)

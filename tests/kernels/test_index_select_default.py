@@ -38,7 +38,9 @@ BF16, F16, FP8 = jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
     (512, 1, 128, BF16, FP8, False, "triton"),    # bf16 queries over an e4m3 cache
     (512, 16, 128, BF16, BF16, False, "triton"),  # more than 8 index heads
     (512, 1, 96, BF16, BF16, False, "triton"),    # index dims 64 and 128 only
-    (2048, 1, 128, BF16, BF16, False, "triton"),  # over 1024 block-table columns
+    (2048, 1, 128, BF16, BF16, False, "mosaic"),  # over 1024 columns: the chunked select
+    (65536, 1, 128, FP8, FP8, False, "mosaic"),   # the chunked select's most columns
+    (65537, 1, 128, BF16, BF16, False, "triton"),
     (64, 1, 128, BF16, BF16, True, "triton"),     # interpreted: the Triton kernel
 ])
 def test_index_backend_rule(p, h, di, q_dtype, k_dtype, interpreting, want):
@@ -59,23 +61,31 @@ def test_scores_backend_rule(h, di, q_dtype, k_dtype, interpreting, want):
 @pytest.mark.parametrize("t,p,topk,interpreting,want", [
     (1, 40, TOPK, False, "mosaic"), (64, 512, TOPK, False, "mosaic"),
     (256, 512, TOPK, False, "mosaic"), (2048, 1024, TOPK, False, "mosaic"),
-    (1, 2048, TOPK, False, "triton"), (1, 64, 8, False, "triton"), (1, 64, TOPK, True, "triton"),
+    (1, 2048, TOPK, False, "mosaic"), (2048, 65536, TOPK, False, "mosaic"),
+    (1, 65537, TOPK, False, "triton"), (1, 64, 8, False, "triton"), (1, 64, TOPK, True, "triton"),
 ])
 def test_select_backend_rule(t, p, topk, interpreting, want):
     assert select_backend(t, p, topk, interpreting=interpreting) == want
 
 
-@pytest.mark.parametrize("t,h,context,dtype,want", [
-    (1, 1, 8192, BF16, "mosaic"), (1, 4, 65536, BF16, "mosaic"), (16, 4, 8192, BF16, "mosaic"),
-    (16, 4, 65536, BF16, "mosaic"), (128, 1, 8192, BF16, "mosaic"),
-    (128, 4, 65536, FP8, "mosaic"), (4, 1, 2048 * 128, BF16, "triton"),
+@pytest.mark.parametrize("t,h,context,dtype,mosaic", [
+    (1, 1, 8192, BF16, 2), (1, 4, 65536, BF16, 2), (16, 4, 8192, BF16, 2),
+    (16, 4, 65536, BF16, 2), (128, 1, 8192, BF16, 2), (128, 4, 65536, FP8, 2),
+    (1, 1, 128 * 1024, BF16, 2),  # 1024 columns: still one select
+    (4, 1, 2048 * 128, BF16, 3), (1, 1, 2 ** 20, FP8, 3),  # past 128K: scores + 2 selects
+    (2048, 1, 2 ** 20, BF16, 3),  # a 2048-token prefill chunk at 1M
 ])
-def test_lowers_to_the_chosen_kernel_for_h200(t, h, context, dtype, want):
-    """Compiled for an H200 (``interpret=None`` under an abstract H200 mesh), the call lowers
-    to the chosen kernels' custom calls only: two Mosaic GPU ones or one Triton one."""
+def test_lowers_to_mosaic_kernels_only_for_h200(t, h, context, dtype, mosaic):
+    """Compiled for an H200 (``interpret=None`` under an abstract H200 mesh), every context
+    the runner serves lowers to Mosaic GPU custom calls only: the scores kernel and one select
+    (at most 1024 columns) or the chunked select's two; no Triton."""
     text = lower_for_cuda(msa_index_select_default, *index_specs(t, h, context, dtype))
-    counts = {"mosaic": dict(mosaic=2, triton=0), "triton": dict(mosaic=0, triton=1)}[want]
-    assert custom_call_counts(text) == dict(counts, other=0)
+    assert custom_call_counts(text) == dict(mosaic=mosaic, triton=0, other=0)
+
+
+def test_triton_past_the_chunked_select():
+    text = lower_for_cuda(msa_index_select_default, *index_specs(1, 1, 65537 * 128))
+    assert custom_call_counts(text) == dict(mosaic=0, triton=1, other=0)
 
 
 @pytest.mark.parametrize("t,h,want", [(1, 1, "mosaic"), (16, 4, "mosaic"), (2, 16, "triton")])
@@ -84,9 +94,10 @@ def test_scores_and_select_alone_lower_to_the_chosen_kernel(t, h, want):
     text = lower_for_cuda(msa_index_scores_default, *specs)
     assert custom_call_counts(text) == {"mosaic": int(want == "mosaic"),
                                         "triton": int(want == "triton"), "other": 0}
-    scores = jax.ShapeDtypeStruct((t, 1, 512), jnp.float32)
-    text = lower_for_cuda(sparse_topk_select_default, scores, specs[-1])
-    assert custom_call_counts(text) == dict(mosaic=1, triton=0, other=0)
+    for p, launches in ((512, 1), (4096, 2)):
+        scores = jax.ShapeDtypeStruct((t, 1, p), jnp.float32)
+        text = lower_for_cuda(sparse_topk_select_default, scores, specs[-1])
+        assert custom_call_counts(text) == dict(mosaic=launches, triton=0, other=0)
 
 
 @pytest.mark.parametrize("backend", [None, *BACKENDS])
@@ -114,6 +125,23 @@ def test_scores_and_select_alone_match_reference(backend):
     chex.assert_trees_all_equal(
         got, sparse_topk_select_reference(scores, nvp, local_blocks=2),
         custom_message=f"seed {seed}")
+
+
+def test_past_1024_columns_matches_reference():
+    """A block table of 1030 columns (the batch's 32, then -1 past every request's pages):
+    Mosaic scores and the chunked select against the reference, for two tokens of the batch
+    (positions 3999 and 2046; interpreting the scores kernel costs per column), with counts
+    from the positions and given ones past them."""
+    seed = fresh_seed()
+    q, k, bt, req, pos = make_batch(seed, BF16, 2, 64)
+    bt = jnp.pad(bt, ((0, 0), (0, 1030 - bt.shape[1])), constant_values=-1)
+    q, req, pos = q[7:9], req[7:9], pos[7:9]
+    for counts in (None, jnp.asarray(num_valid_pages_of(pos)) + 2):
+        got = msa_index_select_default(q, k, bt, req, pos, counts, local_blocks=2,
+                                       backend="mosaic")
+        want = msa_index_select_reference(q, k, bt, req, pos, counts, local_blocks=2)
+        chex.assert_shape(got, (2, 2, TOPK))
+        chex.assert_trees_all_equal(got, want, custom_message=f"seed {seed}, counts {counts}")
 
 
 def test_rejects_an_unknown_backend():
