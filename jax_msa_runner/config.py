@@ -324,6 +324,11 @@ class ModelConfig:
         )
 
 
+# the longest context: pallas_kernels.topk_select_chunked.max_chunked_pages() pages of 128 (the
+# Mosaic GPU select past 1024 pages; longer rows would fall back to Triton)
+MAX_MODEL_LEN = 65536 * PAGE_SIZE
+
+
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     """Runner limits and the static bucket sizes (the CUDA-graph capture sizes)."""
@@ -346,6 +351,9 @@ class RunnerConfig:
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")
         require(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
+        require(self.max_model_len <= MAX_MODEL_LEN, "max_model_len",
+                f"must be <= {MAX_MODEL_LEN} (the indexer's Mosaic GPU select holds "
+                f"{MAX_MODEL_LEN // PAGE_SIZE} pages a row), got {self.max_model_len}")
         require(self.num_spec_tokens >= 0, "num_spec_tokens",
                  f"must be >= 0, got {self.num_spec_tokens}")
         require(self.page_size == PAGE_SIZE, "page_size",

@@ -1,7 +1,10 @@
 """Config validation: invalid combinations fail at construction, naming the field."""
 import pytest
 
-from jax_msa_runner.config import ConfigError, ModelConfig, RunnerConfig, SchedulerConfig
+from jax_msa_runner.config import (MAX_MODEL_LEN, ConfigError, ModelConfig, RunnerConfig,
+                                   SchedulerConfig)
+from pallas_kernels import PAGE_SIZE
+from pallas_kernels.topk_select_chunked import max_chunked_pages
 
 
 def test_defaults_are_valid_and_hashable():
@@ -17,6 +20,11 @@ def test_defaults_are_valid_and_hashable():
             sc.dcp_world_size) == (8, 64, 8192, 10, 2)
 
 
+def test_longest_context_is_the_mosaic_selects():
+    assert MAX_MODEL_LEN == max_chunked_pages() * PAGE_SIZE
+    assert RunnerConfig(max_model_len=MAX_MODEL_LEN).max_pages == max_chunked_pages()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(page_size=64), r"^page_size: MSA needs page_size == 128"),
     (dict(dcp_interleave=64), r"^dcp_interleave: MSA needs dcp_interleave == 128"),
@@ -26,6 +34,8 @@ def test_defaults_are_valid_and_hashable():
     (dict(max_num_seqs=0), r"^max_num_seqs: must be >= 1, got 0"),
     (dict(max_num_batched_tokens=0, bucket_sizes=(1,)), r"^max_num_batched_tokens: must be >= 1"),
     (dict(max_model_len=0), r"^max_model_len: must be >= 1, got 0"),
+    (dict(max_model_len=2 ** 23 + 1),
+     r"^max_model_len: must be <= 8388608 \(the indexer's Mosaic GPU select holds 65536 pages"),
     (dict(num_spec_tokens=-1), r"^num_spec_tokens: must be >= 0, got -1"),
     (dict(num_spec_tokens=64), r"^num_spec_tokens: decode length 1 \+ 64 exceeds"),
     (dict(dcp_world_size=0), r"^dcp_world_size: must be >= 1, got 0"),

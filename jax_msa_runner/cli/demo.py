@@ -39,8 +39,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jax_msa_runner.batch.validate import MetadataInvariantError
-from jax_msa_runner.config import (DCP_INTERLEAVE, FP8_INDEX_CACHE_DTYPE, RESERVED_PAGES,
-                                   ConfigError, ModelConfig, RunnerConfig, SchedulerConfig)
+from jax_msa_runner.config import (DCP_INTERLEAVE, FP8_INDEX_CACHE_DTYPE, MAX_MODEL_LEN,
+                                   RESERVED_PAGES, ConfigError, ModelConfig, RunnerConfig, SchedulerConfig)
 from jax_msa_runner.cli.flags import FlagError, FlagParser, bounded_float, bounded_int
 from jax_msa_runner.cli.mesh_flags import (HOST_DEVICES_FLAG, add_distributed_args, add_mesh_args,
                                        check_mesh_flags, init_distributed)
@@ -73,7 +73,7 @@ def add_demo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"prompts longer than {LONG_PROMPT_MIN - 1} tokens (<= --num-requests)")
     g.add_argument("--output-len", type=bounded_int(1), default=20,
                    help="max new tokens per request")
-    g.add_argument("--max-model-len", type=bounded_int(1), default=2560,
+    g.add_argument("--max-model-len", type=bounded_int(1, MAX_MODEL_LEN), default=2560,
                    help=f"at least {SHORT_PROMPT_MAX} + --output-len, and {LONG_PROMPT_MIN} + "
                         f"--output-len with long prompts")
     g.add_argument("--max-num-seqs", type=bounded_int(1), default=16)

@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-from jax_msa_runner.config import COMMAND_BUFFERS, RESERVED_PAGES
+from jax_msa_runner.config import COMMAND_BUFFERS, MAX_MODEL_LEN, RESERVED_PAGES
 from jax_msa_runner.cli.mesh_flags import add_mesh_args
 from jax_msa_runner.serving.kv_cache import pages_needed
 
@@ -110,7 +110,8 @@ def check_serve_args(args) -> tuple[tuple[int, ...], int]:
     need(bool(args.host.strip()), "--host", "a non-empty host name or address", args.host)
     need(1 <= args.port <= 65535, "--port", "in [1, 65535]", args.port)
     need(bool(args.model_name.strip()), "--model-name", "non-empty", args.model_name)
-    need(args.max_model_len >= 2, "--max-model-len", ">= 2 (one prompt and one output token)",
+    need(2 <= args.max_model_len <= MAX_MODEL_LEN, "--max-model-len",
+         f"in [2, {MAX_MODEL_LEN}] (one prompt and one output token; the indexer's longest row)",
          args.max_model_len)
     need(args.max_num_seqs >= 1, "--max-num-seqs", ">= 1", args.max_num_seqs)
     need(args.max_num_batched_tokens >= 1, "--max-num-batched-tokens", ">= 1",
