@@ -37,9 +37,9 @@ executables, ``--command-buffers`` as the runner serves), and measures:
   (``launch_step``) before the previous one is read (``finish_step``), as the engine's
   asynchronous scheduling serves; launch time: the median host time of ``launch_step`` (the
   host's part of a step before the device runs on its own).
-- the split by op family, from XLA's profiler: the bucket is compiled again without command
-  buffers (inside a command buffer every kernel carries the buffer's name, not its op's),
-  ``--profile-steps`` steps through it inside ``jax.profiler.trace``; every XLA op event of
+- the split by op family, from XLA's profiler: the bucket is compiled again (once per runner)
+  without command buffers (inside a command buffer every kernel carries the buffer's name, not
+  its op's), ``--profile-steps`` steps through it inside ``jax.profiler.trace``; every XLA op event of
   the trace (GPU: the kernels and copies on the device's streams; CPU: XLA:CPU's thunks) is
   mapped to its HLO instruction in the two compiled executables, and through the instruction's
   ``op_name`` metadata to the innermost ``jax.named_scope`` of ``jax_msa_runner.model``: attention_dense, attention_msa (cache
@@ -343,14 +343,14 @@ def launch_and_pipelined_ms(runner: ModelRunner, batches: list[ScheduledBatch], 
     return statistics.median(launch) * 1e3, statistics.median(rounds) * 1e3
 
 
-def profiled_split(runner: ModelRunner, bucket, batches: list[ScheduledBatch],
+def profiled_split(runner: ModelRunner, off: tuple, batches: list[ScheduledBatch],
                    profile_steps: int) -> dict:
-    """``split_by_family`` of ``profile_steps`` rounds of ``batches`` run through the
-    bucket's executables compiled again without command buffers (so the trace names every
+    """``split_by_family`` of ``profile_steps`` rounds of ``batches`` run through ``off``:
+    the runner's one bucket compiled again without command buffers (so the trace names every
     kernel's HLO op), plus "step_ms_off": the median wall ms of a round through them; the
     served executables are put back after."""
+    (bucket,) = runner._compiled
     served = runner._compiled[bucket]
-    off = runner.compile_bucket(bucket, "off")
     modules, sampling_module = executable_ops(off)
     runner._compiled[bucket] = off
 
@@ -367,10 +367,11 @@ def profiled_split(runner: ModelRunner, bucket, batches: list[ScheduledBatch],
     return split
 
 
-def measure_point(runner: ModelRunner, point: Point, mc: ModelConfig, *, pages: int,
-                  steps: int, profile_steps: int, rng, num_local: int, weights: str,
+def measure_point(runner: ModelRunner, off: tuple, point: Point, mc: ModelConfig, *,
+                  pages: int, steps: int, profile_steps: int, rng, num_local: int, weights: str,
                   copy_Bps: float, flops_per_s: float) -> dict:
-    """One row of the table (module docstring)."""
+    """One row of the table (module docstring); ``off``: the runner's bucket compiled
+    without command buffers, for the split."""
     if point.kind == "ttft":
         batches = [scheduled_batch(point, c, pages, mc.vocab_size, rng)
                    for c in range(0, point.context, point.tokens)]
@@ -382,8 +383,7 @@ def measure_point(runner: ModelRunner, point: Point, mc: ModelConfig, *, pages: 
             runner.execute_step(b)
     walls = _common.host_latency_s(run, repeats=steps, warmup=1)
     launch_ms, pipelined_ms = launch_and_pipelined_ms(runner, batches, steps)
-    (bucket,) = runner._compiled
-    split = profiled_split(runner, bucket, batches, profile_steps)
+    split = profiled_split(runner, off, batches, profile_steps)
     costs = [step_cost(mc, num_local=num_local, weights=weights, computed=b.num_computed,
                        scheduled=b.num_scheduled) for b in batches]
     step_ms = statistics.median(walls) * 1e3
@@ -635,8 +635,10 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             runner, pages = build_runner(mc, params, group, args.command_buffers)
             warm_s = time.perf_counter() - t0
+            (bucket,) = runner._compiled
+            off = runner.compile_bucket(bucket, "off")
             for pt in group.points:
-                row = measure_point(runner, pt, mc, pages=pages, steps=steps,
+                row = measure_point(runner, off, pt, mc, pages=pages, steps=steps,
                                     profile_steps=profile_steps, rng=rng, num_local=num_local,
                                     weights=args.weights, copy_Bps=copy["copy_Bps"],
                                     flops_per_s=peak["flops_per_s"])
