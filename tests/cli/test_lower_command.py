@@ -36,6 +36,15 @@ def test_decode_step_runs_mosaic_kernels_only(tmp_path, capsys):
                                     "other_custom_calls=0 ragged_dot=0")
 
 
+def test_decode_step_at_1m_context_runs_mosaic_kernels_only(tmp_path, capsys):
+    """B=16 decode at 1M tokens (8192 pages a row): the MSA layer's select is the chunked
+    select's two launches, still no Triton."""
+    _, out = _lower(tmp_path, capsys, "--num-tokens", "16", "--context", str(2 ** 20))
+    assert "bucket T=16 R=16 P=8192" in out
+    assert out.splitlines()[-1] == ("kernels per step: mosaic_gpu=11 triton=0 "
+                                    "other_custom_calls=0 ragged_dot=0")
+
+
 def test_fp8_prefill_chunk(tmp_path, capsys):
     """A 2048-token chunk of one request at 32K: one paged-attention kernel per dense layer,
     3 MSA kernels; fp8 linears above 256 tokens run on XLA (no fp8 kernel); the routed experts
