@@ -2,7 +2,8 @@
 # The one device entry: a whole check-and-bench on the GPU machine in one call.
 # Usage (device tool, from the repository root): bash bench/device_run.sh [PART ...] [-- FLAGS]
 # Parts, run in the order given (default: tests kernels):
-#   tests    the kernel tests compiled on the GPU (tests/kernels, tests/attention/test_msa_attention.py)
+#   tests    the kernel tests compiled on the GPU (tests/kernels, tests/attention/test_msa_attention.py,
+#            tests/test_moe.py; TEST_FILES="..." names others)
 #   kernels  bench/kernels.py: the MSA kernels against vLLM 0.33.0's ops (carry .vllm_ops)
 #   compare  tools.vllm_compare.compare compiled: the parity cases with both sides' times (carry .vllm_ops)
 #   prefill  bench/prefill.py: sparse prefill against the decode on a long chunk
@@ -51,8 +52,8 @@ for p in "${parts[@]}"; do
   case $p in
     tests)
       xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")  # 4 workers share the GPU
-      timeout "${TEST_TIMEOUT_S:-200}" python3 -m pytest -q -p no:cacheprovider $xdist tests/kernels \
-        tests/attention/test_msa_attention.py > "$log" 2>&1
+      timeout "${TEST_TIMEOUT_S:-200}" python3 -m pytest -q -p no:cacheprovider $xdist \
+        ${TEST_FILES:-tests/kernels tests/attention/test_msa_attention.py tests/test_moe.py} > "$log" 2>&1
       echo "pytest rc=$?" >> "$log" ;;
     kernels)
       need_vllm_ops kernels || continue
