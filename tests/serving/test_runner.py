@@ -136,9 +136,10 @@ def test_all_token_logits_rows_and_sampling_agree():
 @pytest.mark.slow
 def test_step_compiles_with_the_configured_command_buffers(monkeypatch):
     """RunnerConfig.command_buffers reaches XLA: every bucket's step (its forward and its
-    sampling executable) is compiled with the options of ``COMMAND_BUFFERS[name]`` (None for XLA's defaults), and a runner compiled
-    without custom calls in command buffers serves the same greedy tokens as one with XLA's
-    defaults."""
+    sampling executable) is compiled with the options of ``COMMAND_BUFFERS[name]`` (None for
+    XLA's defaults), and a runner compiled without custom calls in command buffers serves the
+    same greedy tokens as one with XLA's defaults; ``compile_bucket`` compiles a bucket's
+    pair again under other options, with the same outputs' shapes."""
     want = {"xla": None, "no-custom-calls": {"xla_gpu_enable_command_buffer":
                                              "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"}}
     seen = []
@@ -167,3 +168,10 @@ def test_step_compiles_with_the_configured_command_buffers(monkeypatch):
         assert stats.compilations == 0
         outputs[name] = {i: list(r.output) for i, r in sched.finished.items()}
     assert outputs["xla"] == outputs["no-custom-calls"] and len(outputs["xla"]) == 2
+    # compile_bucket: the same step again under other options (a profiler's "off"), runs nothing
+    seen.clear()
+    bucket = runner.buckets[0]
+    off = runner.compile_bucket(bucket, "off")
+    assert seen == [{"xla_gpu_enable_command_buffer": ""}] * 2, seen
+    for mine, served in zip(off, runner._compiled[bucket]):
+        chex.assert_trees_all_equal_shapes_and_dtypes(mine.out_info, served.out_info)
