@@ -32,6 +32,8 @@ BUDGET = 128
 LENS = (2200, 300, 9)  # 2200 > 16 * 128: the MSA top-16 drops pages
 SHORT_LENS = (300, 40, 9)  # for meshes with EP > 1: attention is replicated over "expert",
 #                            so every expert rank repeats it (on shared host CPU cores)
+SHORT_BUDGET = 32  # the short workload's step (its one bucket): the 300-token prompt still
+#                    prefills in chunks over pages, each step 4x smaller on every expert rank
 NEW_TOKENS = 4
 LOGIT_TOL = 1e-4  # f32 logits of std ~1; the per-rank psums only reorder f32 sums
 
@@ -47,6 +49,8 @@ def num_pages(lens, new, dcp: int = 1) -> int:
 
 
 def runner(tp=1, ep=1, dcp=1, impl="reference", lens=LENS, new=NEW_TOKENS, **kw) -> ModelRunner:
+    """A warmed-up runner for ``lens``: the short workload steps ``SHORT_BUDGET`` tokens."""
+    kw = {"budget": SHORT_BUDGET if lens == SHORT_LENS else BUDGET, **kw}
     r = ModelRunner(MC, rconfig(tp, ep, dcp, **kw), num_pages=num_pages(lens, new, dcp), seed=1,
                     attention_impl=impl, debug=True)
     r.warm_up()

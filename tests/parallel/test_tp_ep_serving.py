@@ -9,8 +9,8 @@ runner and by sharded runners. Every kept sample's f32 logits agree within
 sums), every kept greedy sample's top-1/top-2 margin is far above it, and the greedy outputs
 are identical. Per-device parameter bytes, read from the arrays' addressable shards, are
 the expected fraction; the caches' KV heads are split over "tensor". Nothing compiles after
-warm-up. Meshes with EP > 1 serve a shorter workload: attention is replicated over
-"expert", so on host CPU devices sharing two cores every expert rank repeats it.
+warm-up. Meshes with EP > 1 serve a shorter workload in 32-token steps: attention is
+replicated over "expert", so on host CPU devices sharing two cores every expert rank repeats it.
 """
 import json
 import os
