@@ -39,13 +39,14 @@ executables, ``--command-buffers`` as the runner serves), and measures:
   host's part of a step before the device runs on its own).
 - the split by op family, from XLA's profiler: the bucket is compiled again (once per runner)
   without command buffers (inside a command buffer every kernel carries the buffer's name, not
-  its op's), ``--profile-steps`` steps through it inside ``jax.profiler.trace``; every XLA op event of
-  the trace (GPU: the kernels and copies on the device's streams; CPU: XLA:CPU's thunks) is
-  mapped to its HLO instruction in the two compiled executables, and through the instruction's
-  ``op_name`` metadata to the innermost ``jax.named_scope`` of ``jax_msa_runner.model``: attention_dense, attention_msa (cache
-  writes, indexer, top-16 select, sparse attention), moe (router, routed and shared experts),
-  projections (q/k/v/o and index linears, the dense MLP, the LM head), norms (RMSNorms with
-  the q/k RoPE), other (embedding, residuals, staging, sampling, copies without an HLO op).
+  its op's), ``--profile-steps`` steps through it inside ``jax.profiler.trace``; every XLA op
+  event of the trace (GPU: the kernels and copies on the device's streams; CPU: XLA:CPU's
+  thunks) is mapped to its HLO instruction in the two compiled executables, and through the
+  instruction's ``op_name`` metadata to the innermost ``jax.named_scope`` of
+  ``jax_msa_runner.model``: attention_dense, attention_msa (cache writes, indexer, top-16
+  select, sparse attention), moe (router, routed and shared experts), projections (q/k/v/o
+  and index linears, the dense MLP, the LM head), norms (RMSNorms with the q/k RoPE), other
+  (embedding, residuals, staging, sampling, copies without an HLO op).
   An XLA fusion counts for its root op's scope. Device time = the sum of those events per step;
   on a GPU the kernels of one stream, on XLA:CPU thunks that may overlap on its threads.
   "step_ms_off" (JSON) is the wall time of a step through those executables.
