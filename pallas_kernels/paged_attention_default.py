@@ -16,7 +16,8 @@ Two Mosaic GPU kernels compute it:
 decode kernel while no request has more than :data:`DECODE_MAX_RUN` tokens in the batch, the
 prefill kernel otherwise; larger batches run the prefill kernel. Off a GPU (``interpret``
 None on a CPU backend) the default is the jnp reference (``"reference"``); interpreted
-kernels are for tests.
+kernels are for tests. Calls the kernels do not take (:func:`kernels_support`: f32 or mixed
+dtypes, head dims other than 64 and 128, GQA groups over 64) run the reference too.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels.paged_attention import (max_tiles, paged_attention_reference,
                                             prefill_tiles, tiles_to_tokens, validate_inputs)
-from pallas_kernels.paged_decode_mgpu import paged_decode_mgpu
+from pallas_kernels.paged_decode_mgpu import HEAD_DIMS, MAX_GROUP, paged_decode_mgpu
 from pallas_kernels.paged_prefill_mgpu import paged_prefill_mgpu
 
 DEFAULT_BLOCK_Q = 128  # tokens per prefill tile: two compute warpgroups share each page load
@@ -43,6 +44,15 @@ def attention_backend(num_tokens: int, *, interpreting: bool, explicit_interpret
     if interpreting and not explicit_interpret:
         return "reference"
     return "auto" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
+
+
+def kernels_support(q_dtype, kv_dtype, head_dim: int, group: int) -> bool:
+    """Whether both Mosaic GPU kernels take a call: bf16 or f16 q and cache of one dtype (wgmma
+    operands), ``head_dim`` in ``HEAD_DIMS``, a GQA ``group`` (Hq / Hkv) of at most
+    ``MAX_GROUP`` rows."""
+    ok = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return (jnp.dtype(q_dtype) in ok and jnp.dtype(kv_dtype) == jnp.dtype(q_dtype)
+            and head_dim in HEAD_DIMS and group <= MAX_GROUP)
 
 
 def longest_run(req_indices: jax.Array) -> jax.Array:
@@ -83,8 +93,11 @@ def paged_attention_default(q, kv_cache, block_table, req_indices, kv_lens, *, s
     t = validate_inputs(q, kv_cache, block_table, req_indices, kv_lens,
                         name="paged_attention_default")[0]
     if backend is None:
-        backend = attention_backend(t, interpreting=resolve_interpret(interpret),
-                                    explicit_interpret=interpret is not None)
+        _, hq, d = q.shape
+        backend = (attention_backend(t, interpreting=resolve_interpret(interpret),
+                                     explicit_interpret=interpret is not None)
+                   if kernels_support(q.dtype, kv_cache.dtype, d, hq // kv_cache.shape[1])
+                   else "reference")
     if backend not in BACKENDS:
         raise ValueError(f"paged_attention_default: backend must be one of {BACKENDS} or None, "
                          f"got {backend!r}")
@@ -102,4 +115,4 @@ def paged_attention_default(q, kv_cache, block_table, req_indices, kv_lens, *, s
 
 
 __all__ = ["paged_attention_default", "paged_prefill_tiled", "attention_backend",
-           "longest_run", "BACKENDS", "DECODE_MAX_TOKENS", "DECODE_MAX_RUN"]
+           "kernels_support", "longest_run", "BACKENDS", "DECODE_MAX_TOKENS", "DECODE_MAX_RUN"]

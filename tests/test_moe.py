@@ -60,8 +60,9 @@ def test_moe_mlp_matches_per_token_loop(T, E, k, shared, bias):
     layer = init_moe_params(cfg, jax.random.key(seed))
     assert ("router_bias" in layer) == bias and ("shared_gate_up" in layer) == bool(shared)
     x = np.random.default_rng(seed).normal(size=(T, H)).astype(np.float32) * 2
-    out, chosen = jax.jit(moe_mlp, static_argnums=3)(layer, jnp.asarray(x),
-                                                     jnp.ones((T,), bool), cfg)
+    with jax.default_matmul_precision("highest"):  # f32 matmuls, not a GPU's TF32 default
+        out, chosen = jax.jit(moe_mlp, static_argnums=3)(layer, jnp.asarray(x),
+                                                         jnp.ones((T,), bool), cfg)
     want, want_experts = _np_moe(layer, x, cfg)
     chex.assert_shape(out, (T, H))
     chex.assert_shape(chosen, (T, k))

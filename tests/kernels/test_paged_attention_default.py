@@ -3,7 +3,10 @@ softmax, the prefill tiling, the default's kernel rule, and the default on eithe
 (interpreted on a CPU backend, compiled on a GPU) against the reference on mixed batches."""
 from __future__ import annotations
 
+import functools
+
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,8 +17,8 @@ from pallas_kernels import PAGE_SIZE
 from pallas_kernels.paged_attention import (max_tiles, paged_attention_reference,
                                             prefill_tiles, validate_inputs)
 from pallas_kernels.paged_attention_default import (DECODE_MAX_RUN, DECODE_MAX_TOKENS,
-                                                    attention_backend, longest_run,
-                                                    paged_attention_default)
+                                                    attention_backend, kernels_support,
+                                                    longest_run, paged_attention_default)
 
 
 def numpy_attention(q, kv, bt, req, lens, scale):
@@ -78,6 +81,25 @@ def test_backend_rule():
                              explicit_interpret=False) == "prefill"
     req = jnp.asarray([0, 0, 1, 1, 1, 2, 0], jnp.int32)
     assert int(longest_run(req)) == 3
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype,d,group,want", [
+    (jnp.bfloat16, jnp.bfloat16, 128, 16, True), (jnp.float16, jnp.float16, 64, 64, True),
+    (jnp.float32, jnp.float32, 128, 16, False), (jnp.bfloat16, jnp.float16, 128, 16, False),
+    (jnp.bfloat16, jnp.bfloat16, 96, 16, False), (jnp.bfloat16, jnp.bfloat16, 128, 65, False)])
+def test_kernels_support(q_dtype, kv_dtype, d, group, want):
+    assert kernels_support(q_dtype, kv_dtype, d, group) == want
+
+
+def test_unsupported_calls_run_the_reference_even_with_kernels_asked_for():
+    """f32 (a tiny model's dtype) with ``interpret=True``, which would pick the kernels: the
+    reference runs, as it does compiled on a GPU."""
+    s = jax.ShapeDtypeStruct
+    args = (s((4, 8, 64), jnp.float32), s((6, 1, 128, 128), jnp.float32), s((2, 3), jnp.int32),
+            s((4,), jnp.int32), s((4,), jnp.int32))
+    text = jax.jit(functools.partial(paged_attention_default, scale=0.125, interpret=True)
+                   ).lower(*args).as_text()
+    assert "mosaic" not in text.lower() and "custom_call" not in text
 
 
 # (tokens per request, backend): decode rows only (the auto rule takes the decode kernel),
