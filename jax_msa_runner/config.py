@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from pallas_kernels import PAGE_SIZE, TOPK
+from pallas_kernels.topk_select_chunked import max_chunked_pages
 
 DCP_INTERLEAVE = PAGE_SIZE  # MSA requires one block per DCP interleave unit
 NULL_PAGE_ID = 0  # padded block-table entries point here; never allocated
@@ -324,9 +325,9 @@ class ModelConfig:
         )
 
 
-# the longest context: pallas_kernels.topk_select_chunked.max_chunked_pages() pages of 128 (the
-# Mosaic GPU select past 1024 pages; longer rows would fall back to Triton)
-MAX_MODEL_LEN = 65536 * PAGE_SIZE
+# the longest context: as many pages as the Mosaic GPU select takes in a row (past 1024 pages the
+# chunked select; longer rows would fall back to Triton)
+MAX_MODEL_LEN = max_chunked_pages() * PAGE_SIZE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from pallas_kernels._interpret import resolve_interpret
 from pallas_kernels.paged_attention import (max_tiles, paged_attention_reference,
                                             prefill_tiles, tiles_to_tokens, validate_inputs)
-from pallas_kernels.paged_decode_mgpu import HEAD_DIMS, MAX_GROUP, paged_decode_mgpu
+from pallas_kernels.paged_decode_mgpu import DTYPES, HEAD_DIMS, MAX_GROUP, paged_decode_mgpu
 from pallas_kernels.paged_prefill_mgpu import paged_prefill_mgpu
 
 DEFAULT_BLOCK_Q = 128  # tokens per prefill tile: two compute warpgroups share each page load
@@ -47,11 +47,11 @@ def attention_backend(num_tokens: int, *, interpreting: bool, explicit_interpret
 
 
 def kernels_support(q_dtype, kv_dtype, head_dim: int, group: int) -> bool:
-    """Whether both Mosaic GPU kernels take a call: bf16 or f16 q and cache of one dtype (wgmma
-    operands), ``head_dim`` in ``HEAD_DIMS``, a GQA ``group`` (Hq / Hkv) of at most
-    ``MAX_GROUP`` rows."""
-    ok = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return (jnp.dtype(q_dtype) in ok and jnp.dtype(kv_dtype) == jnp.dtype(q_dtype)
+    """Whether both Mosaic GPU kernels take a call: q and cache of one dtype in the decode
+    kernel's ``DTYPES`` (wgmma operands), ``head_dim`` in ``HEAD_DIMS``, a GQA ``group``
+    (Hq / Hkv) of at most ``MAX_GROUP`` rows (the prefill kernel's limits are the same or
+    looser)."""
+    return (jnp.dtype(q_dtype) in DTYPES and jnp.dtype(kv_dtype) == jnp.dtype(q_dtype)
             and head_dim in HEAD_DIMS and group <= MAX_GROUP)
 
 

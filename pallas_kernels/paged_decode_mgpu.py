@@ -41,7 +41,7 @@ FILL_CTAS = 2 * NUM_SMS_H200  # default splits: T * Hkv * S >= this
 MAX_SPLITS = 256
 MASK = -1e30  # finite mask value for scores (base-2 units)
 SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit wgmma operands
 _COL = plgpu.Layout.WGMMA.reduce(0)  # a [group] vector: one value per wgmma column
 
@@ -181,7 +181,7 @@ def paged_decode_mgpu(q, kv_cache, block_table, req_indices, kv_lens, *, scale,
     name = "paged_decode_mgpu"
     t, hq, d, n, hkv, r, p = validate_inputs(q, kv_cache, block_table, req_indices, kv_lens,
                                              name=name)
-    if jnp.dtype(q.dtype) not in _DTYPES:
+    if jnp.dtype(q.dtype) not in DTYPES:
         raise TypeError(f"{name}: q dtype must be bf16 or f16 (wgmma operands), got {q.dtype}")
     if d not in HEAD_DIMS:
         raise ValueError(f"{name}: head dim D = q.shape[2] must be one of {HEAD_DIMS}, got {d}")
@@ -232,4 +232,4 @@ def paged_decode_mgpu(q, kv_cache, block_table, req_indices, kv_lens, *, scale,
 
 
 __all__ = ["paged_decode_mgpu", "default_splits", "merge_splits", "smem_bytes",
-           "padded_group", "HEAD_DIMS", "MAX_GROUP", "STAGES", "MAX_SPLITS"]
+           "padded_group", "DTYPES", "HEAD_DIMS", "MAX_GROUP", "STAGES", "MAX_SPLITS"]

@@ -1,14 +1,15 @@
 """The top-16 page select over more block-table columns than one select kernel holds: two
-launches of the Mosaic GPU select (:func:`pallas_kernels.index_select_mgpu.sparse_topk_select_mgpu`,
-at most ``MAX_PAGES`` columns a row) with XLA between them.
+launches of the Mosaic GPU select
+(:func:`pallas_kernels.index_select_mgpu.sparse_topk_select_mgpu`, at most ``MAX_PAGES``
+columns a row) with XLA between them.
 
 The selector's rules (:mod:`pallas_kernels.topk_select`) are applied to the whole row first
 (``prepare_scores``: forced blocks +inf, invalid and NaN -inf, -0 as +0), so what is left is
 a plain top-16 by (score desc, block id asc) with -inf picks as -1, which decomposes:
 
 1. the row is cut into ``C = ceil(P / chunk_pages) >= 2`` chunks (one chunk: the one-pass
-   select); the select takes each chunk's
-   top 16 (``[T * C, H, chunk_pages]``, no forcing, every column valid);
+   select); the select takes each chunk's top 16 (``[T * C, H, chunk_pages]``, no forcing,
+   every column valid);
 2. the ``16 C`` winners, in chunk order and ascending within a chunk (so their position order
    is their block-id order), are gathered with their scores (-1 picks as -inf); the select
    takes the top 16 of those (no forcing) and the positions map back to block ids.
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._shapes import TOPK
-from pallas_kernels.index_select_mgpu import MAX_PAGES, sparse_topk_select_mgpu
+from pallas_kernels.index_select_mgpu import MAX_PAGES, ROW_TILE, sparse_topk_select_mgpu
 from pallas_kernels.topk_select import prepare_scores, validate_scores
 
 
@@ -45,15 +46,16 @@ def sparse_topk_select_chunked(scores, num_valid_pages, *, topk=TOPK, local_bloc
     """Selected block ids ``[T, H, 16]`` int32, as
     :func:`pallas_kernels.topk_select.sparse_topk_select` (same arguments, rules and results),
     for rows of any length up to :func:`max_chunked_pages`. ``chunk_pages``: columns per
-    stage-1 chunk, a multiple of 128 in [128, MAX_PAGES] (static; tests use small ones).
+    stage-1 chunk, whole select row tiles (``ROW_TILE``) up to MAX_PAGES (static; tests use
+    small ones).
     ``interpret``: as the Mosaic select's."""
     validate_scores(scores, num_valid_pages, topk, local_blocks, init_blocks)
     name = "sparse_topk_select_chunked"
     if topk != TOPK:
         raise ValueError(f"{name}: topk must be {TOPK}, got {topk}")
-    if chunk_pages % 128 or not 128 <= chunk_pages <= MAX_PAGES:
-        raise ValueError(f"{name}: chunk_pages must be a multiple of 128 in [128, {MAX_PAGES}], "
-                         f"got {chunk_pages}")
+    if chunk_pages % ROW_TILE or not ROW_TILE <= chunk_pages <= MAX_PAGES:
+        raise ValueError(f"{name}: chunk_pages must be a multiple of {ROW_TILE} in "
+                         f"[{ROW_TILE}, {MAX_PAGES}], got {chunk_pages}")
     t, h, p = scores.shape
     if p > max_chunked_pages(chunk_pages):
         raise ValueError(f"{name}: {p} pages per row; at most {max_chunked_pages(chunk_pages)} "
