@@ -590,9 +590,12 @@ positive_int = bounded_int(1)  # argparse type: an integer >= 1 (the error names
 non_negative_int = bounded_int(0)  # argparse type: an integer >= 0
 
 
-def int_list(lo: int = 1):
-    """argparse ``type=``: a comma-separated list of integers, each >= ``lo`` (a tuple)."""
+def int_list(lo: int = 1, *, allow_empty: bool = False):
+    """argparse ``type=``: a comma-separated list of integers, each >= ``lo`` (a tuple); with
+    ``allow_empty`` an empty string is the empty tuple."""
     def parse(text: str) -> tuple[int, ...]:
+        if allow_empty and not text.strip():
+            return ()
         try:
             vals = tuple(int(v) for v in text.split(","))
         except ValueError:

@@ -517,8 +517,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode contexts L, each >= 2 (default 4096,32768,131072)")
     p.add_argument("--chunk", type=bounded_int(1), default=CHUNK,
                    help=f"prefill chunk tokens (>= 1; default {CHUNK})")
-    p.add_argument("--prefill-contexts", type=_common.int_list(0), default=PREFILL_CONTEXTS,
-                   help="cached tokens before each prefill chunk, each >= 0 (default 0,30720)")
+    p.add_argument("--prefill-contexts", type=_common.int_list(0, allow_empty=True),
+                   default=PREFILL_CONTEXTS,
+                   help="cached tokens before each prefill chunk, each >= 0; '' for none "
+                        "(default 0,30720)")
     p.add_argument("--ttft-prompt", type=bounded_int(0), default=TTFT_PROMPT,
                    help=f"prompt tokens of the TTFT point (0: none; default {TTFT_PROMPT})")
     p.add_argument("--steps", type=bounded_int(1), default=10,

@@ -189,19 +189,24 @@ def test_forward_padding_does_not_change_real_tokens():
     sched, comp = np.array([5, 3]), np.array([0, 0])
     toks = rng.integers(0, cfg.vocab_size, 8).astype(np.int32)
     outs = []
-    for bucket in (8, 16):
-        rc = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=bucket, max_model_len=256,
-                          bucket_sizes=(bucket,))
-        md = stage_batch(sched, comp, [[2], [3]], rc)
-        padded = np.concatenate([toks, rng.integers(0, cfg.vocab_size, bucket - 8)]).astype(np.int32)
-        caches = init_caches(cfg, 4, None)
-        h, _, routing = jax.jit(lambda p, c, t, m: forward_with_routing(p, c, t, m, config=cfg))(
-            params, caches, jnp.asarray(padded), md)
-        outs.append((np.asarray(h)[:8], [None if r is None else np.asarray(r)[:8] for r in routing]))
-        if bucket == 16:  # forward is forward_with_routing without the routing
-            h2, _ = jax.jit(lambda p, c, t, m: forward(p, c, t, m, config=cfg))(
-                params, init_caches(cfg, 4, None), jnp.asarray(padded), md)
-            npt.assert_array_equal(np.asarray(h2), np.asarray(h))
+    # f32 matmuls at full precision: a GPU's TF32 default rounds the two buckets' shapes apart
+    with jax.default_matmul_precision("highest"):
+        for bucket in (8, 16):
+            rc = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=bucket, max_model_len=256,
+                              bucket_sizes=(bucket,))
+            md = stage_batch(sched, comp, [[2], [3]], rc)
+            pad = rng.integers(0, cfg.vocab_size, bucket - 8)
+            padded = np.concatenate([toks, pad]).astype(np.int32)
+            caches = init_caches(cfg, 4, None)
+            h, _, routing = jax.jit(
+                lambda p, c, t, m: forward_with_routing(p, c, t, m, config=cfg))(
+                    params, caches, jnp.asarray(padded), md)
+            outs.append((np.asarray(h)[:8],
+                         [None if r is None else np.asarray(r)[:8] for r in routing]))
+            if bucket == 16:  # forward is forward_with_routing without the routing
+                h2, _ = jax.jit(lambda p, c, t, m: forward(p, c, t, m, config=cfg))(
+                    params, init_caches(cfg, 4, None), jnp.asarray(padded), md)
+                npt.assert_array_equal(np.asarray(h2), np.asarray(h))
     (h_a, r_a), (h_b, r_b) = outs
     chex.assert_tree_all_finite(h_a)
     npt.assert_allclose(h_a, h_b, rtol=1e-5, atol=1e-5)
