@@ -49,21 +49,23 @@ executables, ``--command-buffers`` as the runner serves), and measures:
   (embedding, residuals, staging, sampling, copies without an HLO op).
   An XLA fusion counts for its root op's scope. Device time = the sum of those events per step;
   on a GPU the kernels of one stream, on XLA:CPU thunks that may overlap on its threads.
-  "step_ms_off" (JSON) is the wall time of a step through those executables.
+  "step_ms_off", "launch_ms_off", "pipelined_ms_off" (JSON; the markdown's "no command
+  buffers" lines) are the step, launch and pipelined times through those executables.
 - host gap = step time - device time: what the step spends outside device work (host
   packing, dispatch, transfers, launch gaps; negative where CPU thunks overlap); the pipelined
   gap likewise from the pipelined step time.
 - the roofline of the same shape (``step_cost``): bytes = weights read (every linear of every
-  layer, the routed experts this rank's tokens touch, their expected number under uniform
-  routing, E_local * (1 - (1 - k / E) ^ T), the router, the LM head, embedding rows) + caches
-  read (dense layers: every request's whole K/V; MSA layers: the whole index-K cache and
-  the top-16 pages' K/V, at most the request's own) + cache writes + activations (each layer
-  reads and writes the [T, H] hidden state for attention and for the MLP); FLOPs = 2 x the
-  weights' multiply-adds per token (routed: the expected local copies T * k * E_local / E) +
-  attention (QK and PV over each token's keys, the indexer's dot products) + the LM head on the
-  R last tokens. Roofline = max(bytes / copy bandwidth, FLOPs / matmul peak), both measured in
-  the same run (``_common.copy_bandwidth``, ``_common.matmul_peak``); reported as the step's
-  % of roofline (roofline / step time).
+  layer, the routed experts this rank's tokens touch as counted in the point's own routing
+  (``model.forward_with_routing`` on the same weights and batch; JSON "routing" also gives
+  the expectation under uniform routing, E_local * (1 - (1 - k / E) ^ T)), the router, the
+  LM head, embedding rows) + caches read (dense layers: every request's whole K/V; MSA
+  layers: the whole index-K cache and the top-16 pages' K/V, at most the request's own) +
+  cache writes + activations (each layer reads and writes the [T, H] hidden state for
+  attention and for the MLP); FLOPs = 2 x the weights' multiply-adds per token (routed: the
+  counted local token copies) + attention (QK and PV over each token's keys, the indexer's
+  dot products) + the LM head on the R last tokens. Roofline = max(bytes / copy bandwidth,
+  FLOPs / matmul peak), both measured in the same run (``_common.copy_bandwidth``,
+  ``_common.matmul_peak``); reported as the step's % of roofline (roofline / step time).
 - decode tokens/s = B / step time; prefill tokens/s = chunk / step time.
 
 ``--dry-run``: a tiny 2-layer model (one dense, one MSA + MoE layer, TP4 x EP8 rank shapes of
@@ -75,6 +77,7 @@ from __future__ import annotations
 import _common  # noqa: E402  (first: repo root on sys.path, known warnings)
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -83,11 +86,15 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jax_msa_runner.batch.buckets import select_bucket  # noqa: E402
+from jax_msa_runner.batch.staging import stage_batch  # noqa: E402
 from jax_msa_runner.cli.flags import FlagParser, bounded_int  # noqa: E402
 from jax_msa_runner.config import (COMMAND_BUFFERS, ConfigError, ModelConfig,  # noqa: E402
                                    RunnerConfig)
+from jax_msa_runner.model import forward_with_routing  # noqa: E402
 from jax_msa_runner.rank_shapes import (LAYER_WEIGHTS, WEIGHT_FORMATS,  # noqa: E402
                                         abstract_caches, cache_pages, local_experts,
                                         rank_config, rank_params, tree_bytes, unique_bytes)
@@ -184,10 +191,14 @@ def touched_experts(num_local: int, num_experts: int, top_k: int, tokens: int) -
     return num_local * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def step_cost(mc: ModelConfig, *, num_local: int, weights: str, computed, scheduled) -> dict:
+def step_cost(mc: ModelConfig, *, num_local: int, weights: str, computed, scheduled,
+              routing: list[tuple[int, int]] | None = None) -> dict:
     """Bytes and FLOPs of one step of a per-rank ``mc`` (the roofline model of the module
-    docstring). computed / scheduled: int [R] cached and new tokens per request.
-    Returns {"bytes": {part: bytes}, "flops": {part: FLOPs}, "touched_experts": float}."""
+    docstring). computed / scheduled: int [R] cached and new tokens per request. routing:
+    None (uniform routing's expected counts) or, per MoE layer in order, the measured
+    (distinct local experts, local token copies) of ``measured_routing``.
+    Returns {"bytes": {part: bytes}, "flops": {part: FLOPs}, "touched_experts": float (the
+    mean over MoE layers), "touched_experts_uniform": float}."""
     comp, sched = np.asarray(computed, np.int64), np.asarray(scheduled, np.int64)
     T, R = int(sched.sum()), int(sched.size)
     kv_len = comp + sched  # keys of each request after the step
@@ -201,8 +212,14 @@ def step_cost(mc: ModelConfig, *, num_local: int, weights: str, computed, schedu
     kv_tok, idx_tok = 2 * Hkv * D * kvb, Di * ib  # cache bytes per token per layer
     attn = H * Hq * D + 2 * H * Hkv * D + Hq * D * H
     index = H * Hi * Di + H * Di
-    touched = touched_experts(num_local, mc.num_experts, mc.num_experts_per_tok, T)
-    local_copies = T * mc.num_experts_per_tok * num_local / mc.num_experts
+    uniform = touched_experts(num_local, mc.num_experts, mc.num_experts_per_tok, T)
+    moe_layers = sum(mc.layer_is_moe)
+    if routing is None:
+        routing = [(uniform, T * mc.num_experts_per_tok * num_local / mc.num_experts)
+                   ] * moe_layers
+    if len(routing) != moe_layers:
+        raise ValueError(f"routing: one entry per MoE layer ({moe_layers}), got {len(routing)}")
+    layer_routing = iter(routing)
     b = dict.fromkeys(("weights", "kv_cache", "index_cache", "cache_writes", "activations"), 0.0)
     f = dict.fromkeys(("linears", "moe", "attention", "lm_head"), 0.0)
     for msa, moe in zip(mc.layer_is_msa, mc.layer_is_moe):
@@ -210,6 +227,7 @@ def step_cost(mc: ModelConfig, *, num_local: int, weights: str, computed, schedu
         b["weights"] += _linear_bytes(lin, weights) + 2 * (2 * H + 2 * D + (2 * Di if msa else 0))
         f["linears"] += 2.0 * T * lin
         if moe:
+            touched, local_copies = next(layer_routing)
             routed = 3 * H * mc.moe_intermediate_size
             shared = 3 * H * mc.shared_intermediate_size
             b["weights"] += (_linear_bytes(touched * routed + shared, weights)
@@ -231,7 +249,9 @@ def step_cost(mc: ModelConfig, *, num_local: int, weights: str, computed, schedu
         b["activations"] += 4.0 * T * H * 2
     b["weights"] += 2.0 * (H * mc.vocab_size + T * H + H)  # LM head, embedding rows, final norm
     f["lm_head"] = 2.0 * R * H * mc.vocab_size
-    return {"bytes": b, "flops": f, "touched_experts": touched}
+    touched_mean = sum(t for t, _ in routing) / moe_layers if moe_layers else 0.0
+    return {"bytes": b, "flops": f, "touched_experts": touched_mean,
+            "touched_experts_uniform": uniform}
 
 
 def roofline(cost: dict, copy_Bps: float, flops_per_s: float) -> dict:
@@ -323,6 +343,34 @@ def executable_ops(executables: tuple) -> tuple[dict[str, dict], str]:
     return {f_name: f_ops, s_name: s_ops}, s_name
 
 
+def measured_routing(runner: ModelRunner, batches: list[ScheduledBatch], num_local: int
+                     ) -> list[list[tuple[int, int]]]:
+    """Per batch, per MoE layer: (distinct local experts, local token copies) that the batch's
+    real tokens choose, from ``model.forward_with_routing`` on the runner's params and caches
+    (its returned caches replace the runner's; their values do not matter to the timing).
+    The rank holds experts [0, num_local)."""
+    mc, rc = runner.mconfig, runner.rconfig
+    fwd = jax.jit(functools.partial(forward_with_routing, config=mc,
+                                    attention_impl=runner.attention_impl,
+                                    interpret=runner.interpret), donate_argnums=1)
+    out = []
+    for b in batches:
+        T = int(np.sum(b.num_scheduled))
+        bucket = select_bucket(T, len(b.num_scheduled), rc)
+        md = stage_batch(b.num_scheduled, b.num_computed, b.block_table, rc, bucket=bucket)
+        tokens = np.zeros(bucket.num_tokens, np.int32)
+        tokens[:T] = b.token_ids
+        _, runner.caches, routing = fwd(runner.params, runner.caches, jnp.asarray(tokens), md)
+        layers = []
+        for r in routing:
+            if r is not None:
+                chosen = np.asarray(r)[:T]
+                local = chosen[chosen < num_local]
+                layers.append((int(np.unique(local).size), int(local.size)))
+        out.append(layers)
+    return out
+
+
 def launch_and_pipelined_ms(runner: ModelRunner, batches: list[ScheduledBatch], steps: int
                             ) -> tuple[float, float]:
     """(median host ms of ``launch_step`` over ``steps`` rounds of ``batches``: the host's
@@ -348,8 +396,9 @@ def profiled_split(runner: ModelRunner, off: tuple, batches: list[ScheduledBatch
                    profile_steps: int) -> dict:
     """``split_by_family`` of ``profile_steps`` rounds of ``batches`` run through ``off``:
     the runner's one bucket compiled again without command buffers (so the trace names every
-    kernel's HLO op), plus "step_ms_off": the median wall ms of a round through them; the
-    served executables are put back after."""
+    kernel's HLO op), plus "step_ms_off" / "launch_ms_off" / "pipelined_ms_off": the step,
+    launch and pipelined times (``launch_and_pipelined_ms``) through them; the served
+    executables are put back after."""
     (bucket,) = runner._compiled
     served = runner._compiled[bucket]
     modules, sampling_module = executable_ops(off)
@@ -360,11 +409,14 @@ def profiled_split(runner: ModelRunner, off: tuple, batches: list[ScheduledBatch
             runner.execute_step(b)
     try:
         walls = _common.host_latency_s(run, repeats=max(3, profile_steps), warmup=1)
+        launch_ms, pipelined_ms = launch_and_pipelined_ms(runner, batches,
+                                                          max(3, profile_steps))
         events = _common.profile_op_events(run, calls=profile_steps)
     finally:
         runner._compiled[bucket] = served
     split = split_by_family(events, modules, sampling_module, profile_steps)
-    split["step_ms_off"] = statistics.median(walls) * 1e3
+    split.update(step_ms_off=statistics.median(walls) * 1e3, launch_ms_off=launch_ms,
+                 pipelined_ms_off=pipelined_ms)
     return split
 
 
@@ -385,8 +437,9 @@ def measure_point(runner: ModelRunner, off: tuple, point: Point, mc: ModelConfig
     walls = _common.host_latency_s(run, repeats=steps, warmup=1)
     launch_ms, pipelined_ms = launch_and_pipelined_ms(runner, batches, steps)
     split = profiled_split(runner, off, batches, profile_steps)
+    routings = measured_routing(runner, batches, num_local)
     costs = [step_cost(mc, num_local=num_local, weights=weights, computed=b.num_computed,
-                       scheduled=b.num_scheduled) for b in batches]
+                       scheduled=b.num_scheduled, routing=r) for b, r in zip(batches, routings)]
     step_ms = statistics.median(walls) * 1e3
     row = {"name": point.name, "kind": point.kind, "step_ms": step_ms,
            "samples_ms": [w * 1e3 for w in walls], "launch_ms": launch_ms,
@@ -405,6 +458,10 @@ def measure_point(runner: ModelRunner, off: tuple, point: Point, mc: ModelConfig
         tokens = int(batches[0].num_scheduled.sum())
         row.update(batch=point.batch, context=point.context, tokens=tokens, cost=cost,
                    tokens_per_s=tokens / (step_ms / 1e3))
+    row["routing"] = {
+        "touched_experts": float(np.mean([c["touched_experts"] for c in costs])),
+        "touched_experts_uniform": float(np.mean([c["touched_experts_uniform"] for c in costs])),
+        "per_batch": routings}
     row.update(roofline=roof, pct_roofline=100 * roof["ms"] / step_ms,
                pct_roofline_pipelined=100 * roof["ms"] / pipelined_ms)
     return row
@@ -470,6 +527,14 @@ def markdown(result: dict) -> str:
             out.append(f"TTFT of a {r['context']}-token prompt ({r['chunks']} chunks of "
                        f"{r['tokens']}): {_ms(r['ttft_ms'])} ms, "
                        f"{r['pct_roofline']:.1f}% of its roofline {_ms(r['roofline']['ms'])} ms.")
+    for r in result["rows"]:
+        out.append(f"- {r['name']}, no command buffers: step {_ms(r['step_ms_off'])}, "
+                   f"pipelined {_ms(r['pipelined_ms_off'])}, launch {_ms(r['launch_ms_off'])}")
+    for r in result["rows"]:
+        if "routing" in r:
+            out.append(f"- {r['name']}: local experts touched per MoE layer "
+                       f"{r['routing']['touched_experts']:.1f} measured (the roofline's), "
+                       f"{r['routing']['touched_experts_uniform']:.1f} under uniform routing")
     for s in result["skipped"]:
         out.append(f"- skipped {s['point']}: {s['why']}")
     return "\n".join(out) + "\n"

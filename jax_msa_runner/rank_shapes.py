@@ -98,11 +98,12 @@ def _layer(seed: jax.Array, *, config: ModelConfig, kind: tuple[bool, bool], num
     c = config
     layer = dict(init_params(_kind_config(c, [kind], num_local), seed)["layers"][0])
     if kind[1]:  # the router over every expert; the rank holds the first num_local
-        k1, k2 = jax.random.split(jax.random.fold_in(jax.random.key(seed), 1))
-        layer["router"] = jax.random.normal(k1, (c.hidden_size, c.num_experts),
+        key = jax.random.fold_in(jax.random.key(seed), 1)
+        layer["router"] = jax.random.normal(key, (c.hidden_size, c.num_experts),
                                             jnp.float32) / math.sqrt(c.hidden_size)
-        if c.use_routing_bias:
-            layer["router_bias"] = 0.1 * jax.random.normal(k2, (c.num_experts,), jnp.float32)
+        if c.use_routing_bias:  # zero: a random correction bias (a trained one balances the
+            # experts' loads) sends most tokens to the few experts it favours
+            layer["router_bias"] = jnp.zeros((c.num_experts,), jnp.float32)
     if weights == "fp8":
         layer = {k: (_to_fp8(v) if k in FP8_PARAMS else v) for k, v in layer.items()}
     return layer
@@ -121,10 +122,11 @@ def rank_params(config: ModelConfig, *, num_local_experts: int, weights: str = "
 
     MoE layers hold ``num_local_experts`` experts (experts_gate_up [El, H, 2I], experts_down
     [El, I, H]; as Fp8Weight values [El, 2I, H] / [El, H, I] with ``weights="fp8"``) and the
-    router over all experts (router [H, E] f32, router_bias [E] f32). ``layer_weights``:
-    "distinct" (every layer its own arrays) or "shared" (one set per layer kind, the same
-    arrays in every layer of that kind: ``params["layers"]`` repeats them). Each layer kind's
-    builder is one jitted function (compiled once, its temporaries freed per layer).
+    router over all experts (router [H, E] f32 ~ N(0, 1/H), router_bias [E] f32 zeros).
+    ``layer_weights``: "distinct" (every layer its own arrays) or "shared" (one set per layer
+    kind, the same arrays in every layer of that kind: ``params["layers"]`` repeats them).
+    Each layer kind's builder is one jitted function (compiled once, its temporaries freed
+    per layer).
     Returns the ``model.init_params`` pytree.
     """
     if weights not in WEIGHT_FORMATS:

@@ -47,22 +47,39 @@ def test_dry_run_measures_every_family_through_the_runner(tmp_path):
         assert row["host_gap_ms"] == pytest.approx(row["step_ms"] - row["device_ms"])
         assert row["pipelined_gap_ms"] == pytest.approx(row["pipelined_ms"] - row["device_ms"])
         assert row["launch_ms"] > 0 and row["pipelined_ms"] > 0 and row["step_ms_off"] > 0
+        assert row["launch_ms_off"] > 0 and row["pipelined_ms_off"] > 0
         assert row["pct_roofline_pipelined"] == pytest.approx(
             100 * row["roofline"]["ms"] / row["pipelined_ms"])
         assert row["step_ms"] == pytest.approx(float(np.median(row["samples_ms"])))
         assert 0 < row["roofline"]["ms"] and row["pct_roofline"] > 0
+        k = c["rank_model"]["num_experts_per_tok"]
+        for batch_routing, tokens in zip(row["routing"]["per_batch"], _row_tokens(row)):
+            assert len(batch_routing) == c["moe_layers"]  # one (distinct, copies) per layer
+            for distinct, copies in batch_routing:
+                assert 0 <= distinct <= min(c["local_experts"], copies) and copies <= tokens * k
     decode = doc["rows"][-1]
     assert decode["tokens"] == 2 and decode["tokens_per_s"] == pytest.approx(
         2 / (decode["step_ms"] / 1e3))
     mc = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
                         for k, v in c["rank_model"].items()})
-    want = step.step_cost(mc, num_local=2, weights="bf16", computed=[255, 255], scheduled=[1, 1])
+    want = step.step_cost(mc, num_local=2, weights="bf16", computed=[255, 255], scheduled=[1, 1],
+                          routing=decode["routing"]["per_batch"][0])
     assert decode["cost"]["bytes"] == pytest.approx(want["bytes"])
     ttft = doc["rows"][2]
     assert ttft["chunks"] == 4 and ttft["ttft_ms"] == ttft["step_ms"]
     md = (tmp_path / "step.md").read_text()
     assert "DRY RUN" in md and "| decode B=2 L=256 | 2 |" in md
+    assert "- decode B=2 L=256, no command buffers: step " in md
+    assert "- decode B=2 L=256: local experts touched per MoE layer " in md
     assert "TTFT of a 256-token prompt (4 chunks of 64)" in md
+
+
+def _row_tokens(row: dict) -> list[int]:
+    """Real tokens of each of a row's batches (a TTFT row: its chunks)."""
+    if row["kind"] == "ttft":
+        return [min(row["tokens"], row["context"] - c)
+                for c in range(0, row["context"], row["tokens"])]
+    return [row["tokens"]]
 
 
 def _tiny(**kw) -> ModelConfig:
@@ -133,6 +150,26 @@ def test_step_cost_by_hand():
     assert fp8["bytes"]["weights"] < b["weights"] and fp8["flops"] == f
     roof = step.roofline(cost, copy_Bps=1e9, flops_per_s=1e15)
     assert roof["bound"] == "memory" and roof["ms"] == pytest.approx(sum(b.values()) / 1e6)
+
+
+def test_step_cost_reads_the_measured_experts():
+    """Measured routing replaces uniform routing's expectation, layer by layer: 1 expert and
+    2 copies read 1 expert's bytes and compute 2 copies; the uniform count stays reported."""
+    mc = _tiny()
+    uniform = step.step_cost(mc, num_local=2, weights="bf16", computed=[2999, 2999],
+                             scheduled=[1, 1])
+    cost = step.step_cost(mc, num_local=2, weights="bf16", computed=[2999, 2999],
+                          scheduled=[1, 1], routing=[(1, 2)])
+    routed = 3 * 32 * 4
+    touched = 2 * (1 - (1 - 2 / 8) ** 2)
+    assert cost["touched_experts"] == 1 and cost["touched_experts_uniform"] == pytest.approx(touched)
+    assert uniform["bytes"]["weights"] - cost["bytes"]["weights"] == pytest.approx(
+        2 * (touched - 1) * routed)
+    assert uniform["flops"]["moe"] - cost["flops"]["moe"] == pytest.approx(
+        2 * (2 * 2 * 2 / 8 - 2) * routed)
+    with pytest.raises(ValueError, match="one entry per MoE layer"):
+        step.step_cost(mc, num_local=2, weights="bf16", computed=[1], scheduled=[1],
+                       routing=[(1, 1), (1, 1)])
 
 
 def test_prefill_cost_counts_causal_keys():
