@@ -438,6 +438,60 @@ def trace_op_events(log_dir: str) -> list[dict]:
     return [e for e in events if e["device"] == device]
 
 
+def trace_host_events(log_dir: str) -> list[dict]:
+    """The host threads' complete events in the ``*.trace.json.gz`` files under ``log_dir``
+    (the runtime's TraceMe scopes, driver API calls, Python functions where traced):
+    ``{"name", "thread", "ts", "us"}`` each (``ts``, ``us``: start and duration)."""
+    events = []
+    for path in sorted(glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)):
+        with gzip.open(path, "rt") as f:
+            doc = json.load(f)
+        evs = doc["traceEvents"] if isinstance(doc, dict) else doc
+        pids = {e["pid"]: e["args"]["name"] for e in evs
+                if e.get("ph") == "M" and e.get("name") == "process_name"}
+        for e in evs:
+            if e.get("ph") == "X" and not str(pids.get(e["pid"], "")).startswith("/device:"):
+                events.append({"name": str(e.get("name")), "thread": (e["pid"], e.get("tid")),
+                               "ts": float(e.get("ts", 0.0)), "us": float(e.get("dur", 0.0))})
+    return events
+
+
+def host_time_by_name(events: list[dict], steps: int, top: int = 12) -> list[dict]:
+    """The ``top`` event names of ``trace_host_events`` by self time (an event's duration less
+    its children's on the same thread): ``{"name", "calls", "self_ms", "total_ms"}`` per step."""
+    stats: dict[str, list[float]] = {}
+    by_thread: dict[tuple, list[dict]] = {}
+    for e in events:
+        by_thread.setdefault(e["thread"], []).append(e)
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["us"]))
+        stack: list[list] = []  # [end, name, children's time, duration]
+        for e in evs + [{"ts": float("inf"), "us": 0.0, "name": None}]:
+            while stack and stack[-1][0] <= e["ts"]:
+                end, name, child, dur = stack.pop()
+                st = stats.setdefault(name, [0, 0.0, 0.0])
+                st[0] += 1
+                st[1] += dur - child
+                st[2] += dur
+                if stack:
+                    stack[-1][2] += dur
+            if e["name"] is not None:
+                stack.append([e["ts"] + e["us"], e["name"], 0.0, e["us"]])
+    rows = [{"name": k, "calls": v[0] / steps, "self_ms": v[1] / steps / 1e3,
+             "total_ms": v[2] / steps / 1e3} for k, v in stats.items()]
+    return sorted(rows, key=lambda r: -r["self_ms"])[:top]
+
+
+def profile_host_events(fn, *, calls: int) -> list[dict]:
+    """``trace_host_events`` of ``calls`` calls of ``fn()`` inside ``jax.profiler.trace``,
+    the profiler's own calls (``jax/_src/profiler.py``) left out."""
+    with tempfile.TemporaryDirectory(prefix="jax_trace_") as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                fn()
+        return [e for e in trace_host_events(d) if "profiler.py" not in e["name"]]
+
+
 def profile_op_events(fn, *, calls: int) -> list[dict]:
     """``trace_op_events`` of ``calls`` calls of ``fn()`` inside ``jax.profiler.trace`` (a
     temporary directory). ``fn`` must block until its device work is done."""

@@ -51,6 +51,9 @@ executables, ``--command-buffers`` as the runner serves), and measures:
   on a GPU the kernels of one stream, on XLA:CPU thunks that may overlap on its threads.
   "step_ms_off", "launch_ms_off", "pipelined_ms_off" (JSON; the markdown's "no command
   buffers" lines) are the step, launch and pipelined times through those executables.
+- host events: the host threads' trace events of ``--profile-steps`` steps (served
+  executables), by self time per step (JSON "host_events"; the markdown's top six): where the
+  host gap goes.
 - host gap = step time - device time: what the step spends outside device work (host
   packing, dispatch, transfers, launch gaps; negative where CPU thunks overlap); the pipelined
   gap likewise from the pipelined step time.
@@ -436,6 +439,8 @@ def measure_point(runner: ModelRunner, off: tuple, point: Point, mc: ModelConfig
             runner.execute_step(b)
     walls = _common.host_latency_s(run, repeats=steps, warmup=1)
     launch_ms, pipelined_ms = launch_and_pipelined_ms(runner, batches, steps)
+    host = _common.host_time_by_name(_common.profile_host_events(run, calls=profile_steps),
+                                     steps=profile_steps * len(batches))
     split = profiled_split(runner, off, batches, profile_steps)
     routings = measured_routing(runner, batches, num_local)
     costs = [step_cost(mc, num_local=num_local, weights=weights, computed=b.num_computed,
@@ -443,7 +448,7 @@ def measure_point(runner: ModelRunner, off: tuple, point: Point, mc: ModelConfig
     step_ms = statistics.median(walls) * 1e3
     row = {"name": point.name, "kind": point.kind, "step_ms": step_ms,
            "samples_ms": [w * 1e3 for w in walls], "launch_ms": launch_ms,
-           "pipelined_ms": pipelined_ms, **split,
+           "pipelined_ms": pipelined_ms, "host_events": host, **split,
            "host_gap_ms": step_ms - split["device_ms"],
            "pipelined_gap_ms": pipelined_ms - split["device_ms"]}
     if point.kind == "ttft":
@@ -530,6 +535,9 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         out.append(f"- {r['name']}, no command buffers: step {_ms(r['step_ms_off'])}, "
                    f"pipelined {_ms(r['pipelined_ms_off'])}, launch {_ms(r['launch_ms_off'])}")
+        out.append(f"- {r['name']}, host events by self ms per step: " + ", ".join(
+            f"{h['name'][:60]} {_ms(h['self_ms'])} ({h['calls']:.0f}x)"
+            for h in r["host_events"][:6]))
     for r in result["rows"]:
         if "routing" in r:
             out.append(f"- {r['name']}: local experts touched per MoE layer "

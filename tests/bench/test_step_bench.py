@@ -48,6 +48,9 @@ def test_dry_run_measures_every_family_through_the_runner(tmp_path):
         assert row["pipelined_gap_ms"] == pytest.approx(row["pipelined_ms"] - row["device_ms"])
         assert row["launch_ms"] > 0 and row["pipelined_ms"] > 0 and row["step_ms_off"] > 0
         assert row["launch_ms_off"] > 0 and row["pipelined_ms_off"] > 0
+        host = row["host_events"]
+        assert host and all(h["total_ms"] >= h["self_ms"] >= 0 and h["calls"] > 0 for h in host)
+        assert [h["self_ms"] for h in host] == sorted((h["self_ms"] for h in host), reverse=True)
         assert row["pct_roofline_pipelined"] == pytest.approx(
             100 * row["roofline"]["ms"] / row["pipelined_ms"])
         assert row["step_ms"] == pytest.approx(float(np.median(row["samples_ms"])))
@@ -150,6 +153,16 @@ def test_step_cost_by_hand():
     assert fp8["bytes"]["weights"] < b["weights"] and fp8["flops"] == f
     roof = step.roofline(cost, copy_Bps=1e9, flops_per_s=1e15)
     assert roof["bound"] == "memory" and roof["ms"] == pytest.approx(sum(b.values()) / 1e6)
+
+
+def test_host_self_time_excludes_children():
+    """A 10 us parent holding a 4 us child on one thread, a 3 us event on another, 2 steps."""
+    ev = [{"name": "parent", "thread": 1, "ts": 0.0, "us": 10.0},
+          {"name": "child", "thread": 1, "ts": 2.0, "us": 4.0},
+          {"name": "other", "thread": 2, "ts": 1.0, "us": 3.0}]
+    rows = {r["name"]: r for r in _common.host_time_by_name(ev, steps=2)}
+    assert rows["parent"]["self_ms"] == pytest.approx(3e-3) and rows["parent"]["total_ms"] == 5e-3
+    assert rows["child"]["self_ms"] == pytest.approx(2e-3) and rows["other"]["calls"] == 0.5
 
 
 def test_step_cost_reads_the_measured_experts():
