@@ -483,13 +483,19 @@ def host_time_by_name(events: list[dict], steps: int, top: int = 12) -> list[dic
 
 
 def profile_host_events(fn, *, calls: int) -> list[dict]:
-    """``trace_host_events`` of ``calls`` calls of ``fn()`` inside ``jax.profiler.trace``,
-    the profiler's own calls (``jax/_src/profiler.py``) left out."""
+    """``trace_host_events`` of ``calls`` calls of ``fn()`` inside ``jax.profiler.trace``:
+    the events that start inside the calls' span (a ``TraceAnnotation``, itself left out),
+    not the profiler's own start and stop."""
+    span = "bench_host_events_span"
     with tempfile.TemporaryDirectory(prefix="jax_trace_") as d:
         with jax.profiler.trace(d):
-            for _ in range(calls):
-                fn()
-        return [e for e in trace_host_events(d) if "profiler.py" not in e["name"]]
+            with jax.profiler.TraceAnnotation(span):
+                for _ in range(calls):
+                    fn()
+        events = trace_host_events(d)
+    (outer,) = [e for e in events if e["name"] == span]
+    return [e for e in events if e is not outer
+            and outer["ts"] <= e["ts"] < outer["ts"] + outer["us"]]
 
 
 def profile_op_events(fn, *, calls: int) -> list[dict]:

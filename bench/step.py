@@ -584,8 +584,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layer-weights", choices=LAYER_WEIGHTS, default="shared",
                    help="one set of weights per layer kind shared by its layers (default), or "
                         "distinct weights per layer")
-    p.add_argument("--batches", type=_common.int_list(1), default=BATCHES,
-                   help="decode batch sizes, comma-separated, each >= 1 (default 1,16,64,256)")
+    p.add_argument("--batches", type=_common.int_list(1, allow_empty=True), default=BATCHES,
+                   help="decode batch sizes, comma-separated, each >= 1; '' for none "
+                        "(default 1,16,64,256)")
     p.add_argument("--contexts", type=_common.int_list(2), default=CONTEXTS,
                    help="decode contexts L, each >= 2 (default 4096,32768,131072)")
     p.add_argument("--chunk", type=bounded_int(1), default=CHUNK,
