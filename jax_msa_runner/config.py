@@ -28,12 +28,17 @@ FP8_INDEX_CACHE_DTYPE = "float8_e4m3fn"
 # XLA's command buffers (CUDA graphs that XLA builds from runs of a step's kernels), by name:
 # the compile options of each choice. "xla": XLA's default kinds, custom calls included;
 # "off": none; "no-custom-calls": XLA's kinds less custom calls, so the Pallas kernels launch
-# on the stream, with programmatic dependent launch, while fusions and GEMMs stay in graphs.
+# on the stream, with programmatic dependent launch, while fusions and GEMMs stay in graphs;
+# "control-flow": XLA's kinds plus conditionals and while loops as CUDA graph nodes (outside a
+# graph, XLA reads a lax.cond's predicate on the host, which waits for the device).
 COMMAND_BUFFERS = MappingProxyType({
     "xla": MappingProxyType({}),
     "off": MappingProxyType({"xla_gpu_enable_command_buffer": ""}),
     "no-custom-calls": MappingProxyType({"xla_gpu_enable_command_buffer":
                                          "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"}),
+    "control-flow": MappingProxyType({"xla_gpu_enable_command_buffer":
+                                      "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
+                                      "DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"}),
 })
 
 

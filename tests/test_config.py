@@ -42,7 +42,8 @@ def test_longest_context_is_the_mosaic_selects():
     (dict(dcp_world_size=4, max_model_len=512),
      r"^max_model_len: must exceed the DCP dummy context .* = 512"),
     (dict(command_buffers="graphs"),
-     r"^command_buffers: must be one of \('xla', 'off', 'no-custom-calls'\), got 'graphs'"),
+     r"^command_buffers: must be one of \('xla', 'off', 'no-custom-calls', 'control-flow'\), "
+     r"got 'graphs'"),
 ])
 def test_runner_config_errors_name_the_field(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -84,6 +85,9 @@ def test_xla_compile_options_are_fresh_dicts_of_read_only_choices():
     assert xla_compile_options("off") == {"xla_gpu_enable_command_buffer": ""}
     assert xla_compile_options("no-custom-calls") == {
         "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"}
+    assert xla_compile_options("control-flow") == {  # XLA's default kinds + control flow
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
+                                         "DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"}
     with pytest.raises(TypeError):
         COMMAND_BUFFERS["off"]["xla_gpu_enable_command_buffer"] = "FUSION"
     with pytest.raises(KeyError):

@@ -54,8 +54,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--attention-impl", choices=("pallas", "reference"), default=None,
                    help="default: pallas on a GPU, reference elsewhere")
     g.add_argument("--command-buffers", choices=tuple(COMMAND_BUFFERS), default="xla",
-                   help="XLA's CUDA graphs in the compiled step: xla (its defaults), off, or "
-                        "no-custom-calls (the Pallas kernels launched outside them)")
+                   help="XLA's CUDA graphs in the compiled step: xla (its defaults), off, "
+                        "no-custom-calls (the Pallas kernels launched outside them), or "
+                        "control-flow (lax.cond and while loops inside them too)")
     g.add_argument("--num-layers", type=int, default=None,
                    help="override the tiny model's layer count (layer 0 dense, others MSA)")
     g.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights")

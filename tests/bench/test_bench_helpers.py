@@ -273,7 +273,8 @@ print("ok")
     assert "--reps: must be >= 1" in r.stderr
     assert "--trials: must be >= 1" in r.stderr
     assert "--world-size: must be >= 1, got 0" in r.stderr
-    assert "command buffers must be from ('xla', 'off', 'no-custom-calls')" in r.stderr
+    assert ("command buffers must be from ('xla', 'off', 'no-custom-calls', 'control-flow')"
+            in r.stderr)
 
 
 def test_kernels_cpu_smoke(tmp_path):
