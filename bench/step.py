@@ -539,10 +539,9 @@ def markdown(result: dict) -> str:
             f"{h['name'][:60]} {_ms(h['self_ms'])} ({h['calls']:.0f}x)"
             for h in r["host_events"][:6]))
     for r in result["rows"]:
-        if "routing" in r:
-            out.append(f"- {r['name']}: local experts touched per MoE layer "
-                       f"{r['routing']['touched_experts']:.1f} measured (the roofline's), "
-                       f"{r['routing']['touched_experts_uniform']:.1f} under uniform routing")
+        out.append(f"- {r['name']}: local experts touched per MoE layer "
+                   f"{r['routing']['touched_experts']:.1f} measured (the roofline's), "
+                   f"{r['routing']['touched_experts_uniform']:.1f} under uniform routing")
     for s in result["skipped"]:
         out.append(f"- skipped {s['point']}: {s['why']}")
     return "\n".join(out) + "\n"

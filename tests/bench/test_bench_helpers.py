@@ -7,6 +7,7 @@ markdown table, on made-up records.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import subprocess
@@ -162,6 +163,18 @@ def test_positive_int_names_the_bound():
     for text in ("0", "-2", "x"):
         with pytest.raises(Exception, match=">= 1"):
             _common.positive_int(text)
+
+
+def test_int_list_bounds_every_value_and_takes_empty_only_when_allowed():
+    parse = _common.int_list(2)
+    assert parse("4096,32768") == (4096, 32768)
+    for text, match in (("4096,1", "every value must be >= 2, got 1"),
+                        ("", "expected comma-separated integers, got ''"),
+                        ("1k", "expected comma-separated integers")):
+        with pytest.raises(argparse.ArgumentTypeError, match=match):
+            parse(text)
+    assert _common.int_list(0, allow_empty=True)("") == ()
+    assert _common.int_list(0, allow_empty=True)("0,30720") == (0, 30720)
 
 
 def test_write_json_stamps_meta(tmp_path):
