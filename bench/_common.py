@@ -234,7 +234,8 @@ def no_gc():
 
 def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
              preroll: int = PREROLL_FLUSHES, calls_per_dispatch: int = CALLS_PER_DISPATCH,
-             clock: bool | None = None, compiler_options: Mapping[str, str] = NO_COMMAND_BUFFERS) -> Timing:
+             clock: bool | None = None, compiler_options: Mapping[str, str] = NO_COMMAND_BUFFERS,
+             warmup: bool = True) -> Timing:
     """Seconds per call of ``fn(*args)`` (see the module docstring), one sample per trial.
 
     fn: a jax function of arrays (pytrees allowed); args: its positional arguments.
@@ -246,6 +247,8 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
       False: the host's wall clock around the loops of dispatches.
     compiler_options: cold only: XLA options for both executables: ``NO_COMMAND_BUFFERS``
       (no CUDA graphs; the default), ``XLA_COMMAND_BUFFERS`` (XLA's defaults), or others.
+    warmup: cold only: one untimed dispatch of each executable before the samples (False: a
+      dry run's samples, which make no timing claim, without the extra interpret-mode call).
     """
     _check_l2(l2)
     if n < 1 or trials < 1 or preroll < 0:
@@ -279,8 +282,9 @@ def time_jax(fn, args: tuple, *, n: int, trials: int, l2: str,
             return wall, t1 - t0
         return sum(clock_ns(b) - clock_ns(s) for s, b in stamps) * 1e-9, t1 - t0
 
-    loop((ex, args), 1)  # warm-up (each loop blocks on its results)
-    loop((fl, ()), 1)
+    if warmup:
+        loop((ex, args), 1)  # warm-up (each loop blocks on its results)
+        loop((fl, ()), 1)
     samples, host, flush_s = [], [], []
     before = 0 if clock else preroll
     for _ in range(trials):

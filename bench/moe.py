@@ -298,9 +298,10 @@ def vllm_bound(fmt: str) -> float:
 # --------------------------------------------------------------------------- one case
 
 def bench_case(case: Case, w: tuple, vllm, vw: dict | None, *, reps: int, trials: int,
-               rounds: int, seed: int, preroll: int) -> tuple[dict, np.ndarray]:
+               rounds: int, seed: int, preroll: int, warmup: bool = True
+               ) -> tuple[dict, np.ndarray]:
     """Checks and times one case (module docstring); ``vw``: vLLM's weights (None: vLLM not
-    run); ``preroll``: time_jax's (wall-clock timing only). Returns (row, our output f32
+    run); ``preroll``, ``warmup``: time_jax's (0, False in a dry run). Returns (row, our output f32
     [T, H])."""
     from kernels import ours_summary, vllm_prepare, vllm_summary, vllm_time
 
@@ -336,7 +337,7 @@ def bench_case(case: Case, w: tuple, vllm, vw: dict | None, *, reps: int, trials
             row["vllm_err"] = f"{type(e).__name__}: {e}"[:400]
             state = None
     timings: dict = {k: [] for k in fns}
-    timing = dict(n=reps, trials=trials, l2="cold", preroll=preroll)
+    timing = dict(n=reps, trials=trials, l2="cold", preroll=preroll, warmup=warmup)
     for _ in range(rounds):  # interleaved: each round times every side
         for k, f in fns.items():
             timings[k].append(time_jax(f, (a, w), **timing))
@@ -692,7 +693,7 @@ def main(argv=None) -> int:
         row, ours = bench_case(case, weights[case.fmt], vllm,
                                vw if case.fmt in VLLM_FORMATS else None, reps=reps,
                                trials=trials, rounds=rounds, seed=args.seed,
-                               preroll=0 if dry else _common.PREROLL_FLUSHES)
+                               preroll=0 if dry else _common.PREROLL_FLUSHES, warmup=not dry)
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         add_rates(row, copy["copy_Bps"], peak["flops_per_s"], not dry)
         if job is not None:
