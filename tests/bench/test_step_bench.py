@@ -175,7 +175,8 @@ def test_step_cost_reads_the_measured_experts():
                           scheduled=[1, 1], routing=[(1, 2)])
     routed = 3 * 32 * 4
     touched = 2 * (1 - (1 - 2 / 8) ** 2)
-    assert cost["touched_experts"] == 1 and cost["touched_experts_uniform"] == pytest.approx(touched)
+    assert cost["touched_experts"] == 1
+    assert cost["touched_experts_uniform"] == pytest.approx(touched)
     assert uniform["bytes"]["weights"] - cost["bytes"]["weights"] == pytest.approx(
         2 * (touched - 1) * routed)
     assert uniform["flops"]["moe"] - cost["flops"]["moe"] == pytest.approx(
