@@ -407,6 +407,17 @@ _DERIVED_LINES = frozenset({"XLA Modules", "XLA Ops", "XLA TraceMe", "TensorFlow
                             "Source code", "Steps", "Launch Stats"})
 
 
+def _trace_files(log_dir: str):
+    """Per ``*.trace.json.gz`` file under ``log_dir``: (its trace events, {pid: process
+    name})."""
+    for path in sorted(glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)):
+        with gzip.open(path, "rt") as f:
+            doc = json.load(f)
+        evs = doc["traceEvents"] if isinstance(doc, dict) else doc
+        yield evs, {e["pid"]: e["args"]["name"] for e in evs
+                    if e.get("ph") == "M" and e.get("name") == "process_name"}
+
+
 def trace_op_events(log_dir: str) -> list[dict]:
     """The XLA op events in the ``*.trace.json.gz`` files under ``log_dir``:
     ``{"module", "op", "us", "device"}`` each (``us``: the event's duration).
@@ -417,12 +428,7 @@ def trace_op_events(log_dir: str) -> list[dict]:
     events that carry ``hlo_op``: the CPU backend's thunks, which may overlap on its threads.
     """
     events, device = [], False
-    for path in sorted(glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)):
-        with gzip.open(path, "rt") as f:
-            doc = json.load(f)
-        evs = doc["traceEvents"] if isinstance(doc, dict) else doc
-        pids = {e["pid"]: e["args"]["name"] for e in evs
-                if e.get("ph") == "M" and e.get("name") == "process_name"}
+    for evs, pids in _trace_files(log_dir):
         tids = {(e["pid"], e.get("tid")): e["args"]["name"] for e in evs
                 if e.get("ph") == "M" and e.get("name") == "thread_name"}
         for e in evs:
@@ -447,12 +453,7 @@ def trace_host_events(log_dir: str) -> list[dict]:
     (the runtime's TraceMe scopes, driver API calls, Python functions where traced):
     ``{"name", "thread", "ts", "us"}`` each (``ts``, ``us``: start and duration)."""
     events = []
-    for path in sorted(glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)):
-        with gzip.open(path, "rt") as f:
-            doc = json.load(f)
-        evs = doc["traceEvents"] if isinstance(doc, dict) else doc
-        pids = {e["pid"]: e["args"]["name"] for e in evs
-                if e.get("ph") == "M" and e.get("name") == "process_name"}
+    for evs, pids in _trace_files(log_dir):
         for e in evs:
             if e.get("ph") == "X" and not str(pids.get(e["pid"], "")).startswith("/device:"):
                 events.append({"name": str(e.get("name")), "thread": (e["pid"], e.get("tid")),
