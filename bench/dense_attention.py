@@ -260,7 +260,7 @@ def vllm_call(vt, ua, x: dict, case: Case):
 def bench_case(case: Case, vllm, *, reps: int, trials: int, rounds: int, seed: int,
                check_reference: bool, timing: dict) -> dict:
     """Both sides on the same inputs, outputs compared, then timed interleaved over
-    ``rounds``. ``timing``: extra ``time_jax`` keywords (l2, preroll)."""
+    ``rounds``. ``timing``: extra ``time_jax`` keywords (l2, preroll, warmup)."""
     x = make_inputs(case, seed)
     row = {"kind": case.kind, "hq": case.hq, "hkv": case.hkv, "context": case.context,
            "batch": case.batch, "tokens": case.num_tokens, "seq_len": case.seq_len,
@@ -503,7 +503,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     if args.dry_run:
         cases, reps, trials, rounds = list(DRY_CASES), 1, 1, 1
-        timing = dict(l2="cold")
+        timing = dict(l2="cold", warmup=False)  # no timing claims: no untimed warm-up call
         check_reference = True
     else:
         cases = all_cases(args.kinds, args.heads, args.batches, args.contexts,
