@@ -8,7 +8,11 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+# 2 host devices; the caller's other XLA flags (tests/_helpers.quick_compile_env's) are kept
+os.environ["XLA_FLAGS"] = " ".join(
+    ["--xla_force_host_platform_device_count=2"]
+    + [f for f in os.environ.get("XLA_FLAGS", "").split()
+       if not f.startswith("--xla_force_host_platform_device_count")])
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

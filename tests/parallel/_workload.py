@@ -36,6 +36,10 @@ SHORT_BUDGET = 32  # the short workload's step (its one bucket): the 300-token p
 #                    prefills in chunks over pages, each step 4x smaller on every expert rank
 NEW_TOKENS = 4
 LOGIT_TOL = 1e-4  # f32 logits of std ~1; the per-rank psums only reorder f32 sums
+MIN_MARGIN = 50 * LOGIT_TOL  # every kept greedy sample's top-1/top-2 margin is above it
+# the xdist group of the tests that use conftest's ``single_device`` recordings: one
+# worker makes each recording once per test run
+SINGLE_DEVICE_GROUP = "tp_ep_single_device"
 
 
 def rconfig(tp: int = 1, ep: int = 1, dcp: int = 1, budget: int = BUDGET,

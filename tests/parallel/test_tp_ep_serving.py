@@ -29,32 +29,16 @@ from jax_msa_runner.config import ConfigError, RunnerConfig
 from jax_msa_runner.model import init_params
 from jax_msa_runner.serving.runner import ModelRunner
 
-MIN_MARGIN = 50 * wl.LOGIT_TOL
+MIN_MARGIN = wl.MIN_MARGIN
 # params split over "tensor" only / over "expert" and "tensor"; every other one replicated
 TP_PARAMS = ("q_proj", "k_proj", "v_proj", "index_q_proj", "o_proj", "gate_up_proj",
              "down_proj", "shared_gate_up", "shared_down", "embed", "lm_head")
 EXPERT_PARAMS = ("experts_gate_up", "experts_down")
 
 
-# the tests of the module-scoped ``single_device`` on one xdist worker: its recordings (the
-# long workload's 2200-token prompt served on one device) are made once per test run
-SINGLE_DEVICE_GROUP = pytest.mark.xdist_group("tp_ep_single_device")
-
-
-@pytest.fixture(scope="module")
-def single_device():
-    """Single-device recordings by prompt lengths, built on first use and shared."""
-    cache = {}
-
-    def get(lens):
-        if lens not in cache:
-            rec = wl.serve_recording(wl.runner(lens=lens), lens=lens)
-            assert sorted(rec["outputs"]) == list(range(len(lens)))
-            assert wl.min_margin(rec) > MIN_MARGIN  # the workload is stable under LOGIT_TOL
-            cache[lens] = rec
-        return cache[lens]
-
-    return get
+# the tests of conftest's session-scoped ``single_device`` on one xdist worker: its recordings
+# (the long workload's 2200-token prompt served on one device) are made once per test run
+SINGLE_DEVICE_GROUP = pytest.mark.xdist_group(wl.SINGLE_DEVICE_GROUP)
 
 
 def _expected_param_bytes(params, tp, ep):
