@@ -19,15 +19,13 @@ if BENCH not in sys.path:
 
 import _common  # noqa: E402
 import step  # noqa: E402
-from _helpers import quick_compile_env  # noqa: E402
 from jax_msa_runner.config import ModelConfig  # noqa: E402
 
 
 @pytest.mark.slow
 def test_dry_run_measures_every_family_through_the_runner(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(BENCH, "step.py"), "--dry-run", "--out",
-                        str(tmp_path)], capture_output=True, text=True, timeout=240,
-                       env=quick_compile_env())
+                        str(tmp_path)], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((tmp_path / "step.json").read_text())
     assert doc["dry_run"] is True and doc["skipped"] == [] and doc["meta"]["jax"]

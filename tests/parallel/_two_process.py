@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-# 2 host devices; the caller's other XLA flags (tests/_helpers.quick_compile_env's) are kept
+# 2 host devices; the caller's other XLA flags (tests/conftest.py's) are kept
 os.environ["XLA_FLAGS"] = " ".join(
     ["--xla_force_host_platform_device_count=2"]
     + [f for f in os.environ.get("XLA_FLAGS", "").split()
