@@ -11,4 +11,3 @@ def fresh_seed() -> int:
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print(f"seed {seed}")
     return seed
-
