@@ -2,8 +2,11 @@
 
 Only known warnings are filtered, each narrowly, in pyproject.toml's ``filterwarnings``.
 """
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 # Several host CPU devices for the DCP (shard_map) tests; must be set before jax initialises.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -16,6 +19,16 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 if (not os.path.exists("/dev/nvidiactl")
         and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+# One persistent compilation cache for the whole run, shared by the xdist workers and the tests'
+# subprocesses (which inherit the variables): many tests compile the same programs (the tiny
+# model's steps per bucket, the kernels' references) in fresh runners or processes. A cache hit
+# still records jax's backend-compile event, so CompileCounter counts it as before. Removed when
+# the process that made it exits; CPU only, like the flag above.
+if not os.path.exists("/dev/nvidiactl") and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-msa-runner-tests-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
