@@ -12,20 +12,13 @@ import tempfile
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
-NO_NVIDIA_GPU = not os.path.exists("/dev/nvidiactl")  # the CPU-only settings below
-
-# XLA:CPU's LLVM at -O0: the same optimised HLO (XLA's passes do not read the level), the CPU
-# executables' machine code less optimised and compiled in about a fifth less time, and most of
-# the suite's time is compiling small CPU executables. Subprocesses inherit it. Not where an
-# NVIDIA GPU is present (the compiled tests there run XLA's GPU kernels).
-if NO_NVIDIA_GPU and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+NO_NVIDIA_GPU = not os.path.exists("/dev/nvidiactl")  # the CPU-only setting below
 
 # One persistent compilation cache for the whole run, shared by the xdist workers and the tests'
 # subprocesses (which inherit the variables): many tests compile the same programs (the tiny
 # model's steps per bucket, the kernels' references) in fresh runners or processes. A cache hit
 # still records jax's backend-compile event, so CompileCounter counts it as before. Removed when
-# the process that made it exits; CPU only, like the flag above.
+# the process that made it exits; CPU only.
 if NO_NVIDIA_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-msa-runner-tests-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
