@@ -84,14 +84,14 @@ def check_matches_reference(seed, hq, hkv, d, num_splits, num_stages, long_first
 # split, 2-deep ring).
 IN_PROCESS = [(16, 1, 128, 1, 3, True), (16, 1, 128, 2, 2, False), (8, 2, 64, 1, 1, False),
               (12, 2, 64, 2, 1, False), (64, 1, 128, 2, 1, False), (16, 1, 128, 1, 2, False)]
-# Then: B=16's default at 16/1 (4 splits, 2-deep); clusters of 8 over more than half the SMs
-# (one stage: the half-SM budget); a group of 24 on 4 splits, so the 6 merge tasks of the
-# global exchange fall unevenly (2 on CTAs 0 and 1, 1 on CTAs 2 and 3); D=64 on 16 splits,
-# where the cluster exchange's merge has 4 head dims x 8 group rows per CTA (fewer elements
-# than threads).
-BIG_CLUSTERS = [(16, 1, 128, 8, 2, True), (8, 2, 64, 4, 2, False), (16, 1, 128, 16, 1, True),
-                (16, 1, 128, 4, 2, False), (16, 1, 128, 8, 1, False), (24, 1, 128, 4, 1, False),
-                (8, 2, 64, 16, 1, False)]
+# Then: the largest cluster at the target layout (16/1 on 16 splits, the long request first);
+# B=16's default at 16/1 (4 splits, 2-deep); clusters of 8 over more than half the SMs (one
+# stage: the half-SM budget); a group of 24 on 4 splits, so the 6 merge tasks of the global
+# exchange fall unevenly (2 on CTAs 0 and 1, 1 on CTAs 2 and 3); two KV heads at D=64 on 16
+# splits, where the cluster exchange's merge has 4 head dims x 8 group rows per CTA (fewer
+# elements than threads).
+BIG_CLUSTERS = [(16, 1, 128, 16, 1, True), (16, 1, 128, 4, 2, False), (16, 1, 128, 8, 1, False),
+                (24, 1, 128, 4, 1, False), (8, 2, 64, 16, 1, False)]
 
 
 @pytest.mark.parametrize("hq,hkv,d,num_splits,num_stages,long_first", IN_PROCESS)
