@@ -12,8 +12,6 @@ import tempfile
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
-NO_NVIDIA_GPU = not os.path.exists("/dev/nvidiactl")  # the CPU-only setting below
-
 # XLA:CPU keeps its default LLVM level: at -O0 the interpret-mode kernel tests take about 8%
 # less time, but the serving and HF tests, which run the model, take about twice as long.
 
@@ -22,7 +20,7 @@ NO_NVIDIA_GPU = not os.path.exists("/dev/nvidiactl")  # the CPU-only setting bel
 # model's steps per bucket, the kernels' references) in fresh runners or processes. A cache hit
 # still records jax's backend-compile event, so CompileCounter counts it as before. Removed when
 # the process that made it exits; CPU only.
-if NO_NVIDIA_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+if not os.path.exists("/dev/nvidiactl") and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-msa-runner-tests-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
